@@ -1,0 +1,79 @@
+"""T5: cross-attention reads its keys and values through the flexible cache's `get_kv`.
+
+Upstream's `T5Attention.forward` (transformers==5.24.0) reuses cross-attention keys and values by reading
+`cache.is_updated[layer_idx]` and `cache.cross_attention_cache.layers[layer_idx].keys/.values`. With a cache that
+is larger than the call, those tensors would be the whole storage. Here the cross-attention path asks the cache for
+exactly the rows and encoder positions that the current call wrote. Self-attention, the relative position bias
+(from `get_seq_length()`) and the masks need no change: the cache answers them for the live batch and length, so
+the cross-attention mask built from the encoder mask covers exactly the live encoder length.
+"""
+
+from __future__ import annotations
+
+from transformers.models.t5.modeling_t5 import (
+    ALL_ATTENTION_FUNCTIONS,
+    T5Attention,
+    T5ForConditionalGeneration,
+    eager_attention_forward,
+)
+
+from transformers_flexcache.cache import FlexibleEncoderDecoderCache
+from transformers_flexcache.modeling import FlexModelMixin
+
+
+class FlexT5Attention(T5Attention):
+    def forward(self, hidden_states, mask=None, key_value_states=None, position_bias=None, cache=None, **kwargs):
+        """Derived from `transformers.models.t5.modeling_t5.T5Attention.forward` (transformers==5.24.0).
+
+        Differences: with a `FlexibleEncoderDecoderCache`, cross-attention keys and values are written with
+        `cross_attention_cache.update` on the first decoder step and read with `cross_attention_cache.get_kv`
+        afterwards. Self-attention, and any other cache, go to upstream's forward unchanged. Cross-attention has no
+        relative attention bias in T5, so the upstream lines for it are left out.
+        """
+        # hidden_states: [B, S, d_model], key_value_states: [B, L_enc, d_model] -> [B, S, d_model]
+        if key_value_states is None or not isinstance(cache, FlexibleEncoderDecoderCache):
+            return super().forward(hidden_states, mask, key_value_states, position_bias, cache, **kwargs)
+
+        input_shape = hidden_states.shape[:-1]
+        batch_size = input_shape[0]
+        query_states = self.q(hidden_states).view(*input_shape, -1, self.key_value_proj_dim).transpose(1, 2)
+
+        # flexcache: the encoder length this call wrote replaces `is_updated` and `.layers[i].keys/.values`
+        encoder_len = cache.get_encoder_length(self.layer_idx)
+        if encoder_len > 0:
+            key_states, value_states = cache.cross_attention_cache.get_kv(self.layer_idx, batch_size, encoder_len)
+        else:
+            kv_shape = (*key_value_states.shape[:-1], -1, self.key_value_proj_dim)
+            key_states = self.k(key_value_states).view(kv_shape).transpose(1, 2)
+            value_states = self.v(key_value_states).view(kv_shape).transpose(1, 2)
+            key_states, value_states = cache.cross_attention_cache.update(key_states, value_states, self.layer_idx)
+
+        if position_bias is None:
+            # Cross-attention layers have no relative attention bias: upstream adds zeros of this shape.
+            position_bias = query_states.new_zeros((1, self.n_heads, input_shape[1], key_states.shape[-2]))
+
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            mask,
+            dropout=0.0 if not self.training else self.dropout,
+            scaling=self.scaling,
+            position_bias=position_bias,
+            **kwargs,
+        )
+        attn_output = self.o(attn_output.reshape(*input_shape, -1).contiguous())
+        return attn_output, position_bias, attn_weights
+
+
+class FlexT5ForConditionalGeneration(FlexModelMixin, T5ForConditionalGeneration):
+    """`T5ForConditionalGeneration` with cross-attention through `get_kv`, and `flexible_static` in generate."""
+
+    _flex_module_classes = {T5Attention: FlexT5Attention}
+
+
+FLEX_MODEL_CLASSES = [FlexT5ForConditionalGeneration]

@@ -1,0 +1,142 @@
+"""FlexibleStaticCache / FlexibleEncoderDecoderCache on their own, against DynamicCache's contents."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from tests.model_cases import LLAMA, T5
+from transformers_flexcache import FlexibleEncoderDecoderCache, FlexibleStaticCache
+
+MAX_BATCH, MAX_LEN = 4, 16
+
+
+def _cache(**overrides):
+    kwargs = {"config": LLAMA.build_config(), "max_batch_size": MAX_BATCH, "max_cache_len": MAX_LEN, **overrides}
+    return FlexibleStaticCache(**kwargs)
+
+
+def _kv(batch_size, length, seed):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(batch_size, 2, length, 8, generator=generator), torch.randn(
+        batch_size, 2, length, 8, generator=generator
+    )
+
+
+@pytest.mark.parametrize(("batch_size", "lengths"), [(1, [5, 1, 1]), (3, [7, 1]), (4, [16]), (2, [1, 1, 1, 1])])
+def test_get_kv_returns_views_equal_to_what_a_dynamic_cache_holds(batch_size, lengths):
+    flex, dynamic = _cache(), DynamicCache()
+    for step, length in enumerate(lengths):
+        for layer_idx in range(2):
+            keys, values = _kv(batch_size, length, seed=10 * step + layer_idx)
+            got = flex.update(keys, values, layer_idx)
+            want = dynamic.update(keys, values, layer_idx)
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    total = sum(lengths)
+    for layer_idx in range(2):
+        keys, values = flex.get_kv(layer_idx, batch_size, total)
+        assert keys.shape == (batch_size, 2, total, 8)
+        assert keys.data_ptr() == flex.layers[layer_idx].data_ptrs()[0], "get_kv must return a view, not a copy"
+        torch.testing.assert_close((keys, values), (dynamic.layers[layer_idx].keys, dynamic.layers[layer_idx].values))
+    assert flex.get_seq_length() == dynamic.get_seq_length() == total
+    assert flex.get_mask_sizes(1, 0) == dynamic.get_mask_sizes(1, 0)
+
+
+def test_reset_keeps_the_storage_and_a_smaller_call_never_sees_what_a_larger_one_left():
+    cache = _cache()
+    pointers = cache.data_ptrs()
+    big_keys, big_values = _kv(4, 10, seed=1)
+    cache.update(big_keys, big_values, 0)
+    cache.reset()
+    small_keys, small_values = _kv(2, 3, seed=2)
+    keys, values = cache.update(small_keys, small_values, 0)
+    assert keys.shape == (2, 2, 3, 8)
+    torch.testing.assert_close((keys, values), (small_keys, small_values))
+    assert cache.data_ptrs() == pointers
+    assert cache.num_allocations == 1
+
+
+def test_nbytes_for_matches_what_is_allocated():
+    config = LLAMA.build_config()
+    predicted = FlexibleStaticCache.nbytes_for(config=config, max_batch_size=3, max_cache_len=10, dtype=torch.float16)
+    cache = FlexibleStaticCache(config=config, max_batch_size=3, max_cache_len=10, dtype=torch.float16)
+    # 2 layers x (keys + values) x 3 rows x 2 kv heads x 10 positions x 8 head dim x 2 bytes
+    assert predicted == cache.nbytes == 2 * 2 * 3 * 2 * 10 * 8 * 2
+
+
+def test_encoder_decoder_nbytes_for_counts_both_caches():
+    config = T5.build_config()
+    predicted = FlexibleEncoderDecoderCache.nbytes_for(
+        config=config, max_batch_size=2, max_cache_len=5, max_encoder_len=7
+    )
+    cache = FlexibleEncoderDecoderCache(config=config, max_batch_size=2, max_cache_len=5, max_encoder_len=7)
+    assert predicted == cache.nbytes
+
+
+def test_update_over_capacity_with_error_raises_before_writing_and_the_cache_stays_usable():
+    cache = _cache(on_overflow="error")
+    keys, values = _kv(2, 15, seed=3)
+    cache.update(keys, values, 0)
+    more_keys, more_values = _kv(2, 2, seed=4)
+    with pytest.raises(
+        ValueError, match=r"cache_len=17 exceeds max_cache_len=16; pass cache_config=\{\"max_cache_len\": 17\}"
+    ):
+        cache.update(more_keys, more_values, 0)
+    assert cache.get_seq_length(0) == 15
+    torch.testing.assert_close(cache.get_kv(0, 2, 15), (keys, values))
+    with pytest.raises(ValueError, match=r"batch_size=5 exceeds max_batch_size=4"):
+        cache.early_initialization(5, 2, 8, torch.float32, "cpu")
+    one_keys, one_values = _kv(2, 1, seed=5)
+    got = cache.update(one_keys, one_values, 0)
+    torch.testing.assert_close(got, (torch.cat([keys, one_keys], 2), torch.cat([values, one_values], 2)))
+
+
+def test_update_over_capacity_grows_once_and_keeps_live_content(caplog):
+    cache = _cache()
+    keys, values = _kv(2, 15, seed=6)
+    cache.update(keys, values, 0)
+    more_keys, more_values = _kv(2, 3, seed=7)
+    with caplog.at_level("WARNING", logger="transformers_flexcache"):
+        got = cache.update(more_keys, more_values, 0)
+    assert 'cache_config={"max_cache_len": 18}' in caplog.text
+    assert cache.max_cache_len == 18 and cache.num_allocations == 2
+    torch.testing.assert_close(got, (torch.cat([keys, more_keys], 2), torch.cat([values, more_values], 2)))
+
+
+def test_a_different_batch_without_reset_is_refused_without_writing():
+    cache = _cache()
+    cache.update(*_kv(2, 3, seed=8), 0)
+    with pytest.raises(ValueError, match=r"batch_size=3 differs from batch_size=2.*cache.reset\(\)"):
+        cache.update(*_kv(3, 1, seed=9), 0)
+    assert cache.get_seq_length(0) == 3
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_batch_size": 0}, r"max_batch_size=0 must be a positive int"),
+        ({"max_cache_len": 2.5}, r"max_cache_len=2.5 must be a positive int"),
+        ({"on_overflow": "drop"}, r"on_overflow='drop' is not one of \('grow', 'error'\)"),
+    ],
+)
+def test_bad_construction_arguments_are_refused_with_the_value(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        _cache(**kwargs)
+
+
+@pytest.mark.parametrize(("layer_idx", "batch_size", "length"), [(2, 1, 1), (0, 5, 1), (0, 1, 17)])
+def test_get_kv_out_of_range_is_refused(layer_idx, batch_size, length):
+    with pytest.raises(ValueError, match="out of range|must be between"):
+        _cache().get_kv(layer_idx, batch_size, length)
+
+
+def test_beam_reorder_permutes_live_rows_like_dynamic_cache():
+    flex, dynamic = _cache(), DynamicCache()
+    keys, values = _kv(3, 4, seed=11)
+    flex.update(keys, values, 0)
+    dynamic.update(keys, values, 0)
+    beam_idx = torch.tensor([2, 0, 0])
+    flex.reorder_cache(beam_idx)
+    dynamic.reorder_cache(beam_idx)
+    torch.testing.assert_close(flex.get_kv(0, 3, 4), (dynamic.layers[0].keys, dynamic.layers[0].values))

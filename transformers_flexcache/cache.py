@@ -1,0 +1,555 @@
+"""A static KV cache that is allocated once at a maximum shape and serves any smaller batch and length.
+
+Shape legend used in this module:
+    B      batch of the current call (live batch)
+    B_max  `max_batch_size`, rows in the storage
+    H      key/value heads
+    S      new tokens in one `update`
+    L      live length: tokens written for the current call
+    L_max  capacity along the length axis (`max_cache_len`, or `max_encoder_len` for cross-attention)
+    D      head dim
+
+Design decisions:
+- Storage is `[B_max, H, L_max, D]` per layer for keys and for values, allocated once when the cache is built.
+  Nothing is allocated again unless a call exceeds a capacity and the cache is allowed to grow.
+- `update` writes the call's rows `[:B]` at positions `[L : L + S]` and returns views `[:B, :, : L + S]` into the
+  storage ("exact" shapes). Attention therefore never reads a row or a position that the current call did not
+  write, which is why `reset` only has to set counters back to zero: stale data left by an earlier, larger call is
+  unreachable. It also means the outputs match `DynamicCache`, which holds exactly those tensors.
+- Live lengths are Python ints. That keeps eager decoding free of host syncs, but every step is a new shape to
+  `torch.compile`, so this cache reports `is_compileable = False`; a fixed-shape mode for compile is separate work.
+- Capacity is checked before anything is written: a refused call (`on_overflow="error"`) leaves the cache exactly
+  as it was; with the default `on_overflow="grow"` the storage is reallocated once, live content copied, and a
+  warning says which capacity to preset.
+- Models reach the tensors only through `get_kv(layer_idx, batch_size, length)` and `update(...)`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, EncoderDecoderCache, get_layer_types_and_kwargs
+from transformers.configuration_utils import PreTrainedConfig, get_head_shapes
+
+logger = logging.getLogger(__name__)
+
+ON_OVERFLOW_CHOICES = ("grow", "error")
+
+
+@dataclass(frozen=True)
+class Overflow:
+    """One capacity that a call exceeds: `value` is what the call needs, `limit` what the cache holds."""
+
+    name: str
+    value: int
+    limit: int
+
+    def describe(self) -> str:
+        return f"{self.name.removeprefix('max_')}={self.value} exceeds {self.name}={self.limit}"
+
+
+def overflow_message(overflows: list[Overflow]) -> str:
+    """The error text for `overflows`: each value and limit, then the `cache_config` that would fit."""
+    fix = ", ".join(f'"{o.name}": {o.value}' for o in overflows)
+    return "; ".join(o.describe() for o in overflows) + f"; pass cache_config={{{fix}}} or more"
+
+
+def _check_positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive int")
+    return value
+
+
+def _check_on_overflow(on_overflow: str) -> str:
+    if on_overflow not in ON_OVERFLOW_CHOICES:
+        raise ValueError(f"on_overflow={on_overflow!r} is not one of {ON_OVERFLOW_CHOICES}")
+    return on_overflow
+
+
+class FlexibleStaticLayer(CacheLayerMixin):
+    """Keys and values of one attention layer in `[B_max, H, L_max, D]` storage, with the live batch and length.
+
+    Built by `FlexibleStaticCache`; models use the cache's `get_kv` and `update`, not this class.
+    """
+
+    is_compileable = False  # live lengths are Python ints: each decode step is a new shape to the compiler
+    is_croppable = True
+    is_sliding = False
+    supports_early_init = True
+
+    def __init__(
+        self,
+        *,
+        max_batch_size: int,
+        max_cache_len: int,
+        num_heads: int,
+        k_head_dim: int,
+        v_head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        # CacheLayerMixin.__init__ would set `keys`/`values` attributes; here they are read-only live views.
+        self.max_batch_size = max_batch_size
+        self.max_cache_len = max_cache_len
+        self.num_heads = num_heads
+        self.device = torch.device(device)
+        self._key_storage = torch.zeros(
+            max_batch_size, num_heads, max_cache_len, k_head_dim, dtype=dtype, device=device
+        )
+        self._value_storage = torch.zeros(
+            max_batch_size, num_heads, max_cache_len, v_head_dim, dtype=dtype, device=device
+        )
+        self.batch_size = 0  # live batch: rows written by the current call
+        self.seq_len = 0  # live length: positions written by the current call
+        self.is_initialized = True
+
+    # Read-only live views, for upstream code that reads `layer.keys` (e.g. Whisper's generate rebuilding caches).
+    @property
+    def keys(self) -> torch.Tensor:  # [B, H, L, D]
+        return self._key_storage[: self.batch_size, :, : self.seq_len]
+
+    @property
+    def values(self) -> torch.Tensor:  # [B, H, L, D]
+        return self._value_storage[: self.batch_size, :, : self.seq_len]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._key_storage.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self._key_storage.nbytes + self._value_storage.nbytes
+
+    def data_ptrs(self) -> tuple[int, int]:
+        return self._key_storage.data_ptr(), self._value_storage.data_ptr()
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        # Storage is allocated in __init__; nothing is left to initialize lazily.
+        return None
+
+    def get_kv(self, batch_size: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:  # -> 2 x [B, H, length, D]
+        return self._key_storage[:batch_size, :, :length], self._value_storage[:batch_size, :, :length]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        # key_states: [B, H, S, D] -> 2 x [B, H, L + S, D]
+        batch_size, num_new = key_states.shape[0], key_states.shape[-2]
+        start = self.seq_len
+        self._key_storage[:batch_size, :, start : start + num_new].copy_(key_states)
+        self._value_storage[:batch_size, :, start : start + num_new].copy_(value_states)
+        self.batch_size, self.seq_len = batch_size, start + num_new
+        return self.get_kv(batch_size, self.seq_len)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # Same as DynamicLayer: the mask spans exactly the live length plus the new tokens.
+        return self.seq_len + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seq_len
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def reset(self) -> None:
+        # No zeroing: views end at the live batch and length, so stale slots are never read.
+        self.batch_size = 0
+        self.seq_len = 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.seq_len == 0:
+            return
+        live_keys, live_values = self.get_kv(self.batch_size, self.seq_len)
+        beam_idx = beam_idx.to(self.device)
+        # index_select makes a new tensor first, so copying it back over its own source is safe.
+        live_keys.copy_(live_keys.index_select(0, beam_idx))
+        live_values.copy_(live_values.index_select(0, beam_idx))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"crop({tokens_to_remove}) is not supported; pass a negative number of tokens to remove, as for "
+                "upstream StaticLayer"
+            )
+        self.seq_len = max(0, self.seq_len + tokens_to_remove)
+
+    def offload(self):
+        raise NotImplementedError("offloading is not supported by FlexibleStaticCache")
+
+    def prefetch(self):
+        raise NotImplementedError("offloading is not supported by FlexibleStaticCache")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("batch_repeat_interleave is only defined for DynamicCache")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("batch_select_indices is only defined for DynamicCache")
+
+    def grow(self, *, max_batch_size: int, max_cache_len: int) -> None:
+        """Reallocate to the given capacities (each at least the current one), keeping the live content."""
+        new_keys = self._key_storage.new_zeros(
+            max_batch_size, self.num_heads, max_cache_len, self._key_storage.shape[-1]
+        )
+        new_values = self._value_storage.new_zeros(
+            max_batch_size, self.num_heads, max_cache_len, self._value_storage.shape[-1]
+        )
+        live_keys, live_values = self.get_kv(self.batch_size, self.seq_len)
+        new_keys[: self.batch_size, :, : self.seq_len].copy_(live_keys)
+        new_values[: self.batch_size, :, : self.seq_len].copy_(live_values)
+        self._key_storage, self._value_storage = new_keys, new_values
+        self.max_batch_size, self.max_cache_len = max_batch_size, max_cache_len
+
+
+def _layer_shapes(config: PreTrainedConfig) -> list[tuple[str, int, int]]:
+    """`(layer_type, num_kv_heads, head_dim)` for each decoder layer of `config`, as upstream's StaticCache sees it."""
+    text_config = config.get_text_config(decoder=True)
+    layer_types, _ = get_layer_types_and_kwargs(text_config)
+    num_heads, head_dim = get_head_shapes(text_config)
+    num_layers = len(layer_types)
+    num_heads = num_heads if isinstance(num_heads, list) else [num_heads] * num_layers
+    head_dim = head_dim if isinstance(head_dim, list) else [head_dim] * num_layers
+    shapes = list(zip(layer_types, num_heads, head_dim, strict=True))
+    unsupported = sorted({layer_type for layer_type, _, _ in shapes if layer_type != "full_attention"})
+    if unsupported:
+        raise ValueError(
+            f"layer types {unsupported} of {type(config).__name__} are not supported by FlexibleStaticCache, which "
+            "holds full-attention layers only"
+        )
+    return shapes
+
+
+class FlexibleStaticCache(Cache):
+    """A static self-attention cache allocated once at `max_batch_size x max_cache_len`, serving any smaller shape.
+
+    Args:
+        config (`PreTrainedConfig`): the model's config; the decoder's layer count, kv heads and head dim are read
+            from it.
+        max_batch_size (`int`): rows to allocate (count `batch x num_beams` for beam search).
+        max_cache_len (`int`): positions to allocate per row (prompt plus generated tokens).
+        dtype (`torch.dtype`, *optional*, defaults to `torch.float32`): dtype of the storage (the model's dtype).
+        device (`torch.device` or `str`, *optional*, defaults to `"cpu"`): device of the storage.
+        on_overflow (`str`, *optional*, defaults to `"grow"`): what a call over capacity does: `"grow"` reallocates
+            once (with a warning naming the capacity to preset), `"error"` raises `ValueError` before writing.
+
+    Raises:
+        ValueError: a capacity is not a positive int, `on_overflow` is unknown, or the model has layer types other
+            than full attention.
+
+    Example:
+
+    ```python
+    >>> cache = FlexibleStaticCache(config=model.config, max_batch_size=8, max_cache_len=256)
+    >>> out = model(input_ids[:2], cache=cache, use_cache=True)  # batch 2 of 8, no reallocation
+    >>> keys, values = cache.get_kv(0, batch_size=2, length=cache.get_seq_length())
+    >>> cache.reset()  # cheap: counters only; the next call may use any batch <= 8
+    ```
+    """
+
+    length_name = "max_cache_len"
+
+    def __init__(
+        self,
+        *,
+        config: PreTrainedConfig,
+        max_batch_size: int,
+        max_cache_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        on_overflow: str = "grow",
+    ):
+        _check_positive_int("max_batch_size", max_batch_size)
+        _check_positive_int(self.length_name, max_cache_len)
+        self.on_overflow = _check_on_overflow(on_overflow)
+        layers = [
+            FlexibleStaticLayer(
+                max_batch_size=max_batch_size,
+                max_cache_len=max_cache_len,
+                num_heads=num_heads,
+                k_head_dim=head_dim,
+                v_head_dim=head_dim,
+                dtype=dtype,
+                device=device,
+            )
+            for _, num_heads, head_dim in _layer_shapes(config)
+        ]
+        super().__init__(layers=layers)
+        self.num_allocations = 1
+
+    @classmethod
+    def nbytes_for(
+        cls, *, config: PreTrainedConfig, max_batch_size: int, max_cache_len: int, dtype: torch.dtype = torch.float32
+    ) -> int:
+        """Bytes that a cache of these capacities allocates, computed without allocating anything."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return sum(
+            2 * max_batch_size * num_heads * max_cache_len * head_dim * itemsize
+            for _, num_heads, head_dim in _layer_shapes(config)
+        )
+
+    # --- capacities -------------------------------------------------------------------------------------------
+    @property
+    def max_batch_size(self) -> int:
+        return self.layers[0].max_batch_size
+
+    @property
+    def max_cache_len(self) -> int:
+        return self.layers[0].max_cache_len
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.layers[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0].device
+
+    def data_ptrs(self) -> list[int]:
+        """Data pointers of every storage tensor: equal across calls exactly when no reallocation happened."""
+        return [ptr for layer in self.layers for ptr in layer.data_ptrs()]
+
+    def overflows(self, *, batch_size: int, length: int) -> list[Overflow]:
+        """The capacities that a call of `batch_size` rows reaching `length` positions would exceed."""
+        found = []
+        if batch_size > self.max_batch_size:
+            found.append(Overflow("max_batch_size", batch_size, self.max_batch_size))
+        if length > self.max_cache_len:
+            found.append(Overflow(self.length_name, length, self.max_cache_len))
+        return found
+
+    def grow(self, *, max_batch_size: int | None = None, max_cache_len: int | None = None) -> None:
+        """Reallocate to at least these capacities, keeping live content. A no-op when the cache is big enough."""
+        new_batch = max(self.max_batch_size, max_batch_size or 0)
+        new_len = max(self.max_cache_len, max_cache_len or 0)
+        if (new_batch, new_len) == (self.max_batch_size, self.max_cache_len):
+            return
+        for layer in self.layers:
+            layer.grow(max_batch_size=new_batch, max_cache_len=new_len)
+        self.num_allocations += 1
+
+    def ensure_capacity(self, *, batch_size: int, length: int) -> None:
+        """Make room for a call of `batch_size` rows reaching `length` positions, per `on_overflow`.
+
+        Raises:
+            ValueError: with `on_overflow="error"`, naming each value, its limit and the `cache_config` that fits.
+                Nothing has been changed when it is raised.
+        """
+        found = self.overflows(batch_size=batch_size, length=length)
+        if not found:
+            return
+        message = overflow_message(found)
+        if self.on_overflow == "error":
+            raise ValueError(message)
+        logger.warning("FlexibleStaticCache grows (one reallocation): %s", message)
+        self.grow(max_batch_size=batch_size, max_cache_len=length)
+
+    # --- the public accessor ------------------------------------------------------------------------------------
+    def get_kv(self, layer_idx: int, batch_size: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of layer `layer_idx` for the first `batch_size` rows and `length` positions.
+
+        Args:
+            layer_idx (`int`): decoder layer.
+            batch_size (`int`): rows to return, at most `max_batch_size`.
+            length (`int`): positions to return, at most the capacity.
+
+        Returns:
+            `tuple[torch.Tensor, torch.Tensor]`: views `[batch_size, kv_heads, length, head_dim]` into the storage
+            (no copy): writes through them land in the cache.
+
+        Raises:
+            ValueError: `layer_idx`, `batch_size` or `length` is out of range.
+        """
+        if not 0 <= layer_idx < len(self.layers):
+            raise ValueError(f"layer_idx={layer_idx} is out of range for a cache of {len(self.layers)} layers")
+        if not 0 <= batch_size <= self.max_batch_size:
+            raise ValueError(f"batch_size={batch_size} must be between 0 and max_batch_size={self.max_batch_size}")
+        if not 0 <= length <= self.max_cache_len:
+            raise ValueError(f"length={length} must be between 0 and {self.length_name}={self.max_cache_len}")
+        return self.layers[layer_idx].get_kv(batch_size, length)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Write `key_states`/`value_states` after the live length of layer `layer_idx`; return what to attend to.
+
+        Args:
+            key_states (`torch.Tensor`): `[B, H, S, D]` new keys.
+            value_states (`torch.Tensor`): `[B, H, S, D]` new values.
+            layer_idx (`int`): decoder layer.
+
+        Returns:
+            `tuple[torch.Tensor, torch.Tensor]`: views `[B, H, L + S, D]` of everything this call wrote.
+
+        Raises:
+            ValueError: the batch differs from the one already written since the last `reset()`, or the call exceeds
+                a capacity with `on_overflow="error"`. Nothing is written in either case.
+        """
+        layer = self.layers[layer_idx]
+        batch_size, num_new = key_states.shape[0], key_states.shape[-2]
+        if layer.seq_len > 0 and batch_size != layer.batch_size:
+            raise ValueError(
+                f"batch_size={batch_size} differs from batch_size={layer.batch_size} already cached in layer "
+                f"{layer_idx}; call cache.reset() before a call with another batch"
+            )
+        self.ensure_capacity(batch_size=batch_size, length=layer.seq_len + num_new)
+        return layer.update(key_states, value_states)
+
+    def early_initialization(self, batch_size: int, num_heads, head_dim, dtype: torch.dtype, device) -> None:
+        """Storage is allocated at construction; this only makes room for `batch_size` rows (upstream API)."""
+        self.ensure_capacity(batch_size=batch_size, length=0)
+
+    @property
+    def batch_size(self) -> int:
+        """The live batch: rows written by the current call (0 before the first update after a reset)."""
+        return self.layers[0].batch_size
+
+
+class FlexibleCrossAttentionCache(FlexibleStaticCache):
+    """The cross-attention half of `FlexibleEncoderDecoderCache`: its capacity is `max_encoder_len`.
+
+    Its live length is the encoder length that the current call wrote.
+    """
+
+    length_name = "max_encoder_len"
+
+
+class FlexibleEncoderDecoderCache(EncoderDecoderCache):
+    """Self-attention plus cross-attention flexible caches, allocated once for encoder-decoder models.
+
+    Args:
+        config (`PreTrainedConfig`): the model's config.
+        max_batch_size (`int`): rows to allocate in both caches.
+        max_cache_len (`int`): decoder positions to allocate (self-attention).
+        max_encoder_len (`int`): encoder positions to allocate (cross-attention).
+        dtype (`torch.dtype`, *optional*, defaults to `torch.float32`): dtype of the storage.
+        device (`torch.device` or `str`, *optional*, defaults to `"cpu"`): device of the storage.
+        on_overflow (`str`, *optional*, defaults to `"grow"`): `"grow"` or `"error"`, as for `FlexibleStaticCache`.
+
+    Models read the cross-attention keys and values of the current call through
+    `cache.cross_attention_cache.get_kv(layer_idx, batch_size, cache.get_encoder_length(layer_idx))`, after the first
+    decoder step has written them with `cache.cross_attention_cache.update(...)`.
+    """
+
+    def __init__(
+        self,
+        *,
+        config: PreTrainedConfig,
+        max_batch_size: int,
+        max_cache_len: int,
+        max_encoder_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        on_overflow: str = "grow",
+    ):
+        common = {"config": config, "max_batch_size": max_batch_size, "dtype": dtype, "device": device}
+        _check_positive_int("max_encoder_len", max_encoder_len)
+        super().__init__(
+            FlexibleStaticCache(max_cache_len=max_cache_len, on_overflow=on_overflow, **common),
+            FlexibleCrossAttentionCache(max_cache_len=max_encoder_len, on_overflow=on_overflow, **common),
+        )
+
+    @classmethod
+    def nbytes_for(
+        cls,
+        *,
+        config: PreTrainedConfig,
+        max_batch_size: int,
+        max_cache_len: int,
+        max_encoder_len: int,
+        dtype: torch.dtype = torch.float32,
+    ) -> int:
+        """Bytes that a cache of these capacities allocates, computed without allocating anything."""
+        common = {"config": config, "max_batch_size": max_batch_size, "dtype": dtype}
+        return FlexibleStaticCache.nbytes_for(max_cache_len=max_cache_len, **common) + FlexibleStaticCache.nbytes_for(
+            max_cache_len=max_encoder_len, **common
+        )
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.self_attention_cache.max_batch_size
+
+    @property
+    def max_cache_len(self) -> int:
+        return self.self_attention_cache.max_cache_len
+
+    @property
+    def max_encoder_len(self) -> int:
+        return self.cross_attention_cache.max_cache_len
+
+    @property
+    def on_overflow(self) -> str:
+        return self.self_attention_cache.on_overflow
+
+    @on_overflow.setter
+    def on_overflow(self, value: str) -> None:
+        _check_on_overflow(value)
+        self.self_attention_cache.on_overflow = self.cross_attention_cache.on_overflow = value
+
+    @property
+    def nbytes(self) -> int:
+        return self.self_attention_cache.nbytes + self.cross_attention_cache.nbytes
+
+    @property
+    def num_allocations(self) -> int:
+        return self.self_attention_cache.num_allocations + self.cross_attention_cache.num_allocations
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.self_attention_cache.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.self_attention_cache.device
+
+    @property
+    def batch_size(self) -> int:
+        return self.self_attention_cache.batch_size
+
+    def data_ptrs(self) -> list[int]:
+        return self.self_attention_cache.data_ptrs() + self.cross_attention_cache.data_ptrs()
+
+    def get_encoder_length(self, layer_idx: int = 0) -> int:
+        """Encoder positions that the current call wrote into cross-attention layer `layer_idx` (0 before)."""
+        return self.cross_attention_cache.get_seq_length(layer_idx)
+
+    def overflows(self, *, batch_size: int, length: int, encoder_length: int) -> list[Overflow]:
+        found = self.self_attention_cache.overflows(batch_size=batch_size, length=length)
+        found += [
+            o
+            for o in self.cross_attention_cache.overflows(batch_size=batch_size, length=encoder_length)
+            if o.name != "max_batch_size"
+        ]
+        return found
+
+    def ensure_capacity(self, *, batch_size: int, length: int, encoder_length: int) -> None:
+        """Make room for a call in both caches, per `on_overflow`; checks both before changing either."""
+        found = self.overflows(batch_size=batch_size, length=length, encoder_length=encoder_length)
+        if not found:
+            return
+        message = overflow_message(found)
+        if self.on_overflow == "error":
+            raise ValueError(message)
+        logger.warning("FlexibleEncoderDecoderCache grows (one reallocation): %s", message)
+        self.self_attention_cache.grow(max_batch_size=batch_size, max_cache_len=length)
+        self.cross_attention_cache.grow(max_batch_size=batch_size, max_cache_len=encoder_length)
+
+    def get_kv(self, layer_idx: int, batch_size: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Self-attention keys and values (see `FlexibleStaticCache.get_kv`); cross-attention ones are read from
+        `cross_attention_cache.get_kv`."""
+        return self.self_attention_cache.get_kv(layer_idx, batch_size, length)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Self-attention update, for models that call `update` on the combined cache."""
+        return self.self_attention_cache.update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        # Beams of one input share its encoder output, and beam_idx only moves rows within an input's beams, so
+        # the cross-attention rows are already equal where they would be copied: reordering them would copy for
+        # nothing.
+        self.self_attention_cache.reorder_cache(beam_idx)
+
+    def early_initialization(self, batch_size: int, num_heads, head_dim, dtype: torch.dtype, device) -> None:
+        """Storage is allocated at construction; this only makes room for `batch_size` rows (upstream API)."""
+        self.self_attention_cache.early_initialization(batch_size, num_heads, head_dim, dtype, device)
+        self.cross_attention_cache.early_initialization(batch_size, num_heads, head_dim, dtype, device)

@@ -11,8 +11,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, T5Config, T5ForConditionalGeneration
+from transformers import (
+    JambaConfig,
+    JambaForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    T5Config,
+    T5ForConditionalGeneration,
+)
 
+from model_overrides.jamba import FlexJambaForCausalLM
 from model_overrides.llama import FlexLlamaForCausalLM
 from model_overrides.t5 import FlexT5ForConditionalGeneration
 
@@ -85,6 +93,33 @@ def _t5_config():
     )
 
 
+def _jamba_config():
+    # Layer 0 is Mamba (linear attention), layer 1 attention with a 2-expert MoE feed-forward. The expert width is a
+    # multiple of 4 because the grouped matmul of the experts needs 16-byte strides in fp32.
+    return JambaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        num_experts=2,
+        num_experts_per_tok=1,
+        mamba_d_state=4,
+        mamba_d_conv=3,
+        mamba_expand=2,
+        mamba_dt_rank=4,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
 LLAMA = ModelCase(
     name="llama",
     build_config=_llama_config,
@@ -101,4 +136,12 @@ T5 = ModelCase(
     make_inputs=lambda b, n, g: _token_inputs(b, n, g, padding_side="right"),
 )
 
-MODEL_CASES = [LLAMA, T5]
+JAMBA = ModelCase(
+    name="jamba",
+    build_config=_jamba_config,
+    upstream_class=JambaForCausalLM,
+    flex_class=FlexJambaForCausalLM,
+    make_inputs=lambda b, n, g: _token_inputs(b, n, g, padding_side="left"),
+)
+
+MODEL_CASES = [LLAMA, T5, JAMBA]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, JambaForCausalLM, Qwen3NextConfig
 
-from tests.model_cases import LLAMA, T5
+from tests.model_cases import JAMBA, LLAMA, T5
 from transformers_flexcache import FlexibleEncoderDecoderCache, FlexibleStaticCache
 
 MAX_BATCH, MAX_LEN = 4, 16
@@ -140,3 +140,177 @@ def test_beam_reorder_permutes_live_rows_like_dynamic_cache():
     flex.reorder_cache(beam_idx)
     dynamic.reorder_cache(beam_idx)
     torch.testing.assert_close(flex.get_kv(0, 3, 4), (dynamic.layers[0].keys, dynamic.layers[0].values))
+
+
+# --- linear-attention (Mamba) layers, on the Jamba test config: layer 0 Mamba, layer 1 attention -----------------
+# Per row: conv state [C=64, K=3], recurrent state [C=64, N=4].
+CHANNELS, KERNEL, SSM_SIZE = 64, 3, 4
+
+
+def _hybrid_cache(**overrides):
+    kwargs = {"config": JAMBA.build_config(), "max_batch_size": MAX_BATCH, "max_cache_len": MAX_LEN, **overrides}
+    return FlexibleStaticCache(**kwargs)
+
+
+def _conv_inputs(batch_size, length, seed):  # -> [B, C, S]
+    return torch.randn(batch_size, CHANNELS, length, generator=torch.Generator().manual_seed(seed))
+
+
+def _ssm_state(batch_size, seed):  # -> [B, C, N]
+    return torch.randn(batch_size, CHANNELS, SSM_SIZE, generator=torch.Generator().manual_seed(seed))
+
+
+def _write_states(cache, batch_size, lengths, seed=0):
+    """What a Mamba layer does: conv update per forward, then the recurrent state; returns what the cache returned."""
+    returned = []
+    for step, length in enumerate(lengths):
+        conv = cache.update_conv_state(_conv_inputs(batch_size, length, seed + step), 0, conv_kernel_size=KERNEL)
+        ssm = cache.update_recurrent_state(_ssm_state(batch_size, seed + 100 + step), 0)
+        returned.append((conv.clone(), ssm.clone()))
+    return returned
+
+
+@pytest.mark.parametrize("lengths", [[1, 1, 1], [2, 1], [5, 1, 1], [4, 3]], ids=lambda v: "-".join(map(str, v)))
+def test_linear_attention_states_match_a_dynamic_cache_through_prefill_and_decode(lengths):
+    flex, dynamic = _hybrid_cache(), DynamicCache(config=JAMBA.build_config())
+    assert flex.get_conv_state(0) is None and flex.get_recurrent_state(0) is None
+    got, want = _write_states(flex, 3, lengths), _write_states(dynamic, 3, lengths)
+    for (got_conv, got_ssm), (want_conv, want_ssm) in zip(got, want, strict=True):
+        torch.testing.assert_close((got_conv, got_ssm), (want_conv, want_ssm), rtol=0, atol=0)
+    torch.testing.assert_close(flex.get_conv_state(0), dynamic.get_conv_state(0), rtol=0, atol=0)
+    torch.testing.assert_close(flex.get_recurrent_state(0), dynamic.get_recurrent_state(0), rtol=0, atol=0)
+    assert flex.has_previous_state(0) and flex.has_previous_state()
+    assert flex.is_linear == dynamic.is_linear == [True, False]
+
+
+def test_linear_attention_getters_return_views_that_take_in_place_writes():
+    cache = _hybrid_cache()
+    pointers = cache.data_ptrs()
+    _write_states(cache, 2, [4])
+    conv, ssm = cache.get_conv_state(0), cache.get_recurrent_state(0)
+    assert conv.shape == (2, CHANNELS, KERNEL) and ssm.shape == (2, CHANNELS, SSM_SIZE)
+    # The model decodes with `conv_state.copy_(...)` and `state.copy_(...)`: those writes must reach the cache.
+    conv.copy_(torch.full_like(conv, 7.0))
+    ssm.copy_(torch.full_like(ssm, 9.0))
+    assert torch.all(cache.get_conv_state(0) == 7.0) and torch.all(cache.get_recurrent_state(0) == 9.0)
+    assert {conv.data_ptr(), ssm.data_ptr()} <= set(pointers)
+
+
+def test_reset_clears_previous_state_keeps_linear_storage_and_a_smaller_call_sees_nothing_of_a_larger_one():
+    flex, dynamic = _hybrid_cache(), DynamicCache(config=JAMBA.build_config())
+    pointers = flex.data_ptrs()
+    _write_states(flex, 4, [6, 1], seed=1)
+    flex.reset()
+    assert not flex.has_previous_state(0)
+    assert flex.get_conv_state(0) is None and flex.get_recurrent_state(0) is None
+    got, want = _write_states(flex, 2, [2, 1], seed=2), _write_states(dynamic, 2, [2, 1], seed=2)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert flex.data_ptrs() == pointers and flex.num_allocations == 1
+
+
+def test_beam_reorder_permutes_linear_states_like_dynamic_cache():
+    flex, dynamic = _hybrid_cache(), DynamicCache(config=JAMBA.build_config())
+    _write_states(flex, 3, [4])
+    _write_states(dynamic, 3, [4])
+    beam_idx = torch.tensor([2, 0, 0])
+    flex.reorder_cache(beam_idx)
+    dynamic.reorder_cache(beam_idx)
+    torch.testing.assert_close(flex.get_conv_state(0), dynamic.get_conv_state(0), rtol=0, atol=0)
+    torch.testing.assert_close(flex.get_recurrent_state(0), dynamic.get_recurrent_state(0), rtol=0, atol=0)
+
+
+def test_linear_state_over_batch_capacity_with_error_raises_before_writing():
+    cache = _hybrid_cache(on_overflow="error")
+    with pytest.raises(
+        ValueError, match=r"batch_size=5 exceeds max_batch_size=4; pass cache_config=\{\"max_batch_size\": 5\}"
+    ):
+        cache.update_conv_state(_conv_inputs(5, 3, seed=3), 0)
+    assert not cache.has_previous_state(0) and cache.batch_size == 0
+    with pytest.raises(ValueError, match=r"batch_size=5 exceeds max_batch_size=4"):
+        cache.update_recurrent_state(_ssm_state(5, seed=4), 0)
+    assert cache.num_allocations == 1
+
+
+def test_growing_the_batch_capacity_keeps_the_live_linear_rows():
+    cache = _hybrid_cache(max_batch_size=2)
+    _write_states(cache, 2, [3])
+    conv, ssm = cache.get_conv_state(0).clone(), cache.get_recurrent_state(0).clone()
+    cache.grow(max_batch_size=3)
+    assert cache.max_batch_size == 3 and cache.num_allocations == 2
+    torch.testing.assert_close((cache.get_conv_state(0), cache.get_recurrent_state(0)), (conv, ssm), rtol=0, atol=0)
+
+
+def test_a_linear_state_update_over_batch_capacity_grows_once_with_a_warning(caplog):
+    cache, dynamic = _hybrid_cache(max_batch_size=2), DynamicCache(config=JAMBA.build_config())
+    with caplog.at_level("WARNING", logger="transformers_flexcache"):
+        got = _write_states(cache, 4, [3, 1])
+    assert 'cache_config={"max_batch_size": 4}' in caplog.text
+    assert cache.max_batch_size == 4 and cache.num_allocations == 2
+    torch.testing.assert_close(got, _write_states(dynamic, 4, [3, 1]), rtol=0, atol=0)
+
+
+def test_a_different_batch_for_linear_states_without_reset_is_refused_without_writing():
+    cache = _hybrid_cache()
+    _write_states(cache, 2, [3])
+    before = cache.get_conv_state(0).clone()
+    with pytest.raises(ValueError, match=r"batch_size=3 differs from batch_size=2.*cache.reset\(\)"):
+        cache.update_conv_state(_conv_inputs(3, 1, seed=5), 0)
+    torch.testing.assert_close(cache.get_conv_state(0), before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda c: c.get_kv(0, 1, 1), r"layer 0 is a linear-attention layer, not an attention one"),
+        (lambda c: c.update(*_kv(1, 1, seed=0), 0), r"layer 0 is a linear-attention layer"),
+        (lambda c: c.get_conv_state(1), r"layer 1 is an attention layer, not a linear-attention one"),
+        (lambda c: c.get_recurrent_state(0, state_idx=1), r"state_idx=1 is out of range"),
+        (lambda c: c.update_conv_state(_conv_inputs(1, 2, 0), 0, conv_kernel_size=4), r"conv_kernel_size=4 differs"),
+        (lambda c: c.update_conv_state(torch.zeros(1, 8, 2), 0), r"do not fit layer 0, allocated for \[batch, 64"),
+        (lambda c: c.update_recurrent_state(torch.zeros(1, 64, 5), 0), r"do not fit layer 0, allocated for"),
+    ],
+    ids=["get_kv", "update", "get_conv_state", "state_idx", "kernel", "conv_shape", "recurrent_shape"],
+)
+def test_misuse_of_linear_attention_layers_is_refused_with_the_fix(call, message):
+    cache = _hybrid_cache()
+    with pytest.raises(ValueError, match=message):
+        call(cache)
+    assert cache.batch_size == 0
+
+
+@pytest.mark.parametrize(("dtype", "conv_bytes", "recurrent_bytes"), [(torch.float32, 4, 4), (torch.bfloat16, 2, 4)])
+def test_nbytes_for_counts_linear_attention_states(dtype, conv_bytes, recurrent_bytes):
+    config = JAMBA.build_config()
+    predicted = FlexibleStaticCache.nbytes_for(config=config, max_batch_size=3, max_cache_len=10, dtype=dtype)
+    cache = FlexibleStaticCache(config=config, max_batch_size=3, max_cache_len=10, dtype=dtype)
+    # attention layer: (keys + values) x 3 rows x 2 kv heads x 10 positions x 8 head dim;
+    # Mamba layer: 3 rows x 64 channels x (3 conv positions, then 4 recurrent state entries, kept in float32)
+    attention = 2 * 3 * 2 * 10 * 8 * conv_bytes
+    mamba = 3 * CHANNELS * KERNEL * conv_bytes + 3 * CHANNELS * SSM_SIZE * recurrent_bytes
+    assert predicted == cache.nbytes == attention + mamba
+
+
+def test_recurrent_storage_has_the_dtype_of_upstreams_recurrent_state_for_a_bfloat16_model():
+    config = JAMBA.build_config()
+    torch.manual_seed(0)
+    upstream = JambaForCausalLM(config).eval().to(torch.bfloat16)
+    dynamic = DynamicCache(config=config)
+    upstream(input_ids=torch.tensor([[5, 6, 7]]), cache=dynamic, use_cache=True)
+    cache = FlexibleStaticCache(config=config, max_batch_size=1, max_cache_len=4, dtype=torch.bfloat16)
+    _write_states(cache, 1, [3])
+    assert cache.get_recurrent_state(0).dtype == dynamic.get_recurrent_state(0).dtype == torch.float32
+    assert cache.get_conv_state(0).dtype == dynamic.get_conv_state(0).dtype == torch.bfloat16
+
+
+def test_a_config_without_an_attention_layer_is_refused():
+    config = JAMBA.build_config()
+    config.attn_layer_period, config.attn_layer_offset = 4, 3  # layers 0 and 1 are both Mamba
+    with pytest.raises(ValueError, match=r"JambaConfig has no full-attention layer"):
+        FlexibleStaticCache(config=config, max_batch_size=1, max_cache_len=4)
+
+
+def test_linear_attention_states_of_a_config_without_mamba_sizes_are_refused_not_guessed():
+    # Qwen3-Next has linear-attention layers sized by other config names than Jamba's.
+    config = Qwen3NextConfig(num_hidden_layers=4, hidden_size=32, num_attention_heads=4, num_key_value_heads=2)
+    with pytest.raises(ValueError, match=r"cannot size the linear-attention states of Qwen3NextConfig.*mamba_d_conv"):
+        FlexibleStaticCache(config=config, max_batch_size=1, max_cache_len=4)

@@ -8,6 +8,8 @@ Shape legend used in this module:
     L      live length: tokens written for the current call
     L_max  capacity along the length axis (`max_cache_len`, or `max_encoder_len` for cross-attention)
     D      head dim
+    C, K   linear-attention (Mamba) conv channels and conv kernel size
+    N      linear-attention recurrent (SSM) state size
 
 Design decisions:
 - Storage is `[B_max, H, L_max, D]` per layer for keys and for values, allocated once when the cache is built.
@@ -22,6 +24,11 @@ Design decisions:
   as it was; with the default `on_overflow="grow"` the storage is reallocated once, live content copied, and a
   warning says which capacity to preset.
 - Models reach the tensors only through `get_kv(layer_idx, batch_size, length)` and `update(...)`.
+- Linear-attention (Mamba) layers hold their conv state `[B_max, C, K]` and recurrent state `[B_max, C, N]`, also
+  allocated once at construction, with shapes read from the config as the model reads them (see
+  `_linear_attention_shapes`). `get_conv_state`/`get_recurrent_state` hand out views `[:B]`: the model updates them
+  in place while decoding, so its writes land in the storage. `reset` only clears `has_previous_state`: the next
+  prefill overwrites rows `[:B]` whole before anything reads them.
 """
 
 from __future__ import annotations
@@ -30,7 +37,13 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, EncoderDecoderCache, get_layer_types_and_kwargs
+from transformers.cache_utils import (
+    Cache,
+    CacheLayerMixin,
+    EncoderDecoderCache,
+    LinearAttentionCacheLayerMixin,
+    get_layer_types_and_kwargs,
+)
 from transformers.configuration_utils import PreTrainedConfig, get_head_shapes
 
 logger = logging.getLogger(__name__)
@@ -200,8 +213,163 @@ class FlexibleStaticLayer(CacheLayerMixin):
         self.max_batch_size, self.max_cache_len = max_batch_size, max_cache_len
 
 
+class FlexibleLinearAttentionLayer(LinearAttentionCacheLayerMixin):
+    """Conv and recurrent (SSM) states of one linear-attention (Mamba) layer in `[B_max, ...]` storage.
+
+    Built by `FlexibleStaticCache`; models use the cache's `get_conv_state`, `update_conv_state`,
+    `get_recurrent_state` and `update_recurrent_state`, not this class. Those return views `[:B]` of the storage,
+    because models write into them in place while decoding (Jamba's `causal_conv1d_update` and
+    `selective_state_update` call `copy_` on the tensors they are given).
+    """
+
+    is_compileable = False  # the live batch is a Python int, as for the attention layers
+    is_croppable = False  # a recurrent state cannot be rolled back
+    is_sliding = False
+
+    def __init__(
+        self,
+        *,
+        max_batch_size: int,
+        conv_shape: tuple[int, int],
+        recurrent_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        recurrent_dtype: torch.dtype,
+        device: torch.device,
+    ):
+        # LinearAttentionCacheLayerMixin.__init__ would set `conv_states`/`recurrent_states` dicts filled lazily at
+        # the call's batch; here they are read-only live views of storage allocated now.
+        self.max_batch_size = max_batch_size
+        self.device = torch.device(device)
+        self._conv_storage = torch.zeros(max_batch_size, *conv_shape, dtype=dtype, device=device)  # [B_max, C, K]
+        self._recurrent_storage = torch.zeros(  # [B_max, C, N]
+            max_batch_size, *recurrent_shape, dtype=recurrent_dtype, device=device
+        )
+        self.number_of_states = 1
+        self.conv_kernel_size = {0: conv_shape[-1]}
+        self.has_previous_state = {0: False}  # read by upstream's `Cache.has_previous_state`
+        self.record_past = False  # read by upstream's `Cache.is_recording_past`
+        self.batch_size = 0  # live batch: rows written by the current call
+
+    # Read-only live views, for upstream code that reads `layer.conv_states[0]` / `layer.recurrent_states[0]`.
+    @property
+    def conv_states(self) -> dict[int, torch.Tensor]:  # {0: [B, C, K]}
+        return {0: self._conv_storage[: self.batch_size]}
+
+    @property
+    def recurrent_states(self) -> dict[int, torch.Tensor]:  # {0: [B, C, N]}
+        return {0: self._recurrent_storage[: self.batch_size]}
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._conv_storage.dtype
+
+    @property
+    def conv_shape(self) -> tuple[int, ...]:
+        return tuple(self._conv_storage.shape[1:])
+
+    @property
+    def recurrent_shape(self) -> tuple[int, ...]:
+        return tuple(self._recurrent_storage.shape[1:])
+
+    @property
+    def nbytes(self) -> int:
+        return self._conv_storage.nbytes + self._recurrent_storage.nbytes
+
+    def data_ptrs(self) -> tuple[int, int]:
+        return self._conv_storage.data_ptr(), self._recurrent_storage.data_ptr()
+
+    def lazy_initialization(self, conv_states=None, recurrent_states=None, state_idx: int = 0, **kwargs) -> None:
+        # Storage is allocated in __init__; nothing is left to initialize lazily.
+        return None
+
+    def get_conv_state(self) -> torch.Tensor | None:  # -> [B, C, K], or None before this call's prefill
+        return self._conv_storage[: self.batch_size] if self.has_previous_state[0] else None
+
+    def get_recurrent_state(self) -> torch.Tensor | None:  # -> [B, C, N], or None before this call's prefill
+        return self._recurrent_storage[: self.batch_size] if self.has_previous_state[0] else None
+
+    def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        # conv_states: [B, C, S] -> [B, C, max(S, K)] on the prefill, [B, C, K + S] after it
+        batch_size, kernel_size = conv_states.shape[0], self.conv_kernel_size[0]
+        if not self.has_previous_state[0]:
+            # Prefill, as upstream's LinearAttentionLayer: left-pad to the kernel. The K-window written below covers
+            # rows [:B] whole, and the recurrent rows are cleared, so nothing of an earlier call stays reachable.
+            full_conv_states = conv_states
+            if conv_states.shape[-1] < kernel_size:
+                full_conv_states = torch.nn.functional.pad(conv_states, (kernel_size - conv_states.shape[-1], 0))
+            self._recurrent_storage[:batch_size].zero_()
+            self.batch_size = batch_size
+            self.has_previous_state[0] = True
+        else:
+            full_conv_states = torch.cat([self._conv_storage[:batch_size], conv_states], dim=-1)
+        self._conv_storage[:batch_size].copy_(full_conv_states[..., -kernel_size:])
+        return full_conv_states
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        # recurrent_states: [B, C, N] -> [B, C, N] view of the storage
+        batch_size = recurrent_states.shape[0]
+        live = self._recurrent_storage[:batch_size]
+        live.copy_(recurrent_states)
+        self.batch_size = batch_size
+        return live
+
+    def reset(self) -> None:
+        # No zeroing: the next prefill overwrites rows [:B] whole before get_*_state can return them.
+        self.batch_size = 0
+        self.has_previous_state[0] = False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.batch_size == 0:
+            return
+        beam_idx = beam_idx.to(self.device)
+        for storage in (self._conv_storage, self._recurrent_storage):
+            live = storage[: self.batch_size]
+            # index_select makes a new tensor first, so copying it back over its own source is safe.
+            live.copy_(live.index_select(0, beam_idx))
+
+    def activate_past_recording(self):
+        raise NotImplementedError(
+            "past recording (assisted generation, rollback) is not supported by FlexibleStaticCache's linear-attention "
+            "layers: their states have a fixed size"
+        )
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("linear-attention states cannot be cropped: a recurrent state cannot be rolled back")
+
+    def offload(self):
+        raise NotImplementedError("offloading is not supported by FlexibleStaticCache")
+
+    def prefetch(self):
+        raise NotImplementedError("offloading is not supported by FlexibleStaticCache")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("batch_repeat_interleave is only defined for DynamicCache")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("batch_select_indices is only defined for DynamicCache")
+
+    def grow(self, *, max_batch_size: int, max_cache_len: int | None = None) -> None:
+        """Reallocate to `max_batch_size` rows (at least the current), keeping the live rows.
+
+        `max_cache_len` is accepted so that the cache can grow every layer alike; these states have no length axis.
+        """
+        new_conv = self._conv_storage.new_zeros(max_batch_size, *self.conv_shape)
+        new_recurrent = self._recurrent_storage.new_zeros(max_batch_size, *self.recurrent_shape)
+        new_conv[: self.batch_size].copy_(self._conv_storage[: self.batch_size])
+        new_recurrent[: self.batch_size].copy_(self._recurrent_storage[: self.batch_size])
+        self._conv_storage, self._recurrent_storage = new_conv, new_recurrent
+        self.max_batch_size = max_batch_size
+
+
+# Layer types that FlexibleStaticCache holds: attention keys/values, or linear-attention (Mamba) conv/recurrent states.
+SUPPORTED_LAYER_TYPES = ("full_attention", "linear_attention")
+
+
 def _layer_shapes(config: PreTrainedConfig) -> list[tuple[str, int, int]]:
-    """`(layer_type, num_kv_heads, head_dim)` for each decoder layer of `config`, as upstream's StaticCache sees it."""
+    """`(layer_type, num_kv_heads, head_dim)` for each decoder layer of `config`, as upstream's StaticCache sees it.
+
+    Heads and head dim only matter for attention layers; linear-attention shapes come from `_linear_attention_shapes`.
+    """
     text_config = config.get_text_config(decoder=True)
     layer_types, _ = get_layer_types_and_kwargs(text_config)
     num_heads, head_dim = get_head_shapes(text_config)
@@ -209,21 +377,96 @@ def _layer_shapes(config: PreTrainedConfig) -> list[tuple[str, int, int]]:
     num_heads = num_heads if isinstance(num_heads, list) else [num_heads] * num_layers
     head_dim = head_dim if isinstance(head_dim, list) else [head_dim] * num_layers
     shapes = list(zip(layer_types, num_heads, head_dim, strict=True))
-    unsupported = sorted({layer_type for layer_type, _, _ in shapes if layer_type != "full_attention"})
+    unsupported = sorted({layer_type for layer_type, _, _ in shapes if layer_type not in SUPPORTED_LAYER_TYPES})
     if unsupported:
         raise ValueError(
             f"layer types {unsupported} of {type(config).__name__} are not supported by FlexibleStaticCache, which "
-            "holds full-attention layers only"
+            f"holds {list(SUPPORTED_LAYER_TYPES)} layers only"
+        )
+    if "full_attention" not in layer_types:
+        # Upstream takes positions and masks from an attention layer (`Cache.get_seq_length` raises without one).
+        raise ValueError(
+            f"{type(config).__name__} has no full-attention layer (layer types {sorted(set(layer_types))}); "
+            "FlexibleStaticCache needs at least one"
         )
     return shapes
+
+
+# Config attributes that size a linear-attention layer's states, named as Jamba names them.
+LINEAR_ATTENTION_CONFIG_NAMES = ("hidden_size", "mamba_expand", "mamba_d_conv", "mamba_d_state")
+
+
+def _linear_attention_shapes(config: PreTrainedConfig) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Per-row shapes `((C, K), (C, N))` of a linear-attention layer's conv state and recurrent state.
+
+    Read as `JambaMambaMixer.__init__` reads them (transformers==5.24.0): `C = mamba_expand * hidden_size`,
+    `K = mamba_d_conv`, `N = mamba_d_state`. Upstream has no model-agnostic source for these shapes (its
+    `LinearAttentionLayer` takes them from the first update, at the call's batch), and allocating at construction is
+    what lets a cache be planned up front (`nbytes_for`, export). So a config that names them otherwise is refused
+    here rather than guessed; every update also checks the shapes it receives against the storage.
+
+    Raises:
+        ValueError: the config lacks one of `LINEAR_ATTENTION_CONFIG_NAMES`.
+    """
+    text_config = config.get_text_config(decoder=True)
+    missing = [name for name in LINEAR_ATTENTION_CONFIG_NAMES if getattr(text_config, name, None) is None]
+    if missing:
+        raise ValueError(
+            f"FlexibleStaticCache cannot size the linear-attention states of {type(config).__name__}: it reads "
+            f"{list(LINEAR_ATTENTION_CONFIG_NAMES)} (as Jamba's Mamba mixer does), and {missing} are missing"
+        )
+    num_channels = text_config.mamba_expand * text_config.hidden_size
+    return (num_channels, text_config.mamba_d_conv), (num_channels, text_config.mamba_d_state)
+
+
+def _recurrent_dtype(dtype: torch.dtype) -> torch.dtype:
+    # Upstream's Mamba scan multiplies by float32 `A`, so the recurrent state it caches has the promoted dtype
+    # (float32 for a bfloat16 model). Storing it in the model's dtype would round it and change the outputs.
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _build_layer(
+    layer_type: str,
+    num_heads: int,
+    head_dim: int,
+    *,
+    config: PreTrainedConfig,
+    max_batch_size: int,
+    max_cache_len: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> FlexibleStaticLayer | FlexibleLinearAttentionLayer:
+    if layer_type == "linear_attention":
+        conv_shape, recurrent_shape = _linear_attention_shapes(config)
+        return FlexibleLinearAttentionLayer(
+            max_batch_size=max_batch_size,
+            conv_shape=conv_shape,
+            recurrent_shape=recurrent_shape,
+            dtype=dtype,
+            recurrent_dtype=_recurrent_dtype(dtype),
+            device=device,
+        )
+    return FlexibleStaticLayer(
+        max_batch_size=max_batch_size,
+        max_cache_len=max_cache_len,
+        num_heads=num_heads,
+        k_head_dim=head_dim,
+        v_head_dim=head_dim,
+        dtype=dtype,
+        device=device,
+    )
 
 
 class FlexibleStaticCache(Cache):
     """A static self-attention cache allocated once at `max_batch_size x max_cache_len`, serving any smaller shape.
 
+    Hybrid models (Jamba) also get their linear-attention (Mamba) conv and recurrent states, allocated once at
+    `max_batch_size` rows and read and written through `get_conv_state`, `update_conv_state`, `get_recurrent_state`
+    and `update_recurrent_state`.
+
     Args:
-        config (`PreTrainedConfig`): the model's config; the decoder's layer count, kv heads and head dim are read
-            from it.
+        config (`PreTrainedConfig`): the model's config; the decoder's layer types, kv heads and head dim (and, for
+            linear-attention layers, the Mamba sizes, see `_linear_attention_shapes`) are read from it.
         max_batch_size (`int`): rows to allocate (count `batch x num_beams` for beam search).
         max_cache_len (`int`): positions to allocate per row (prompt plus generated tokens).
         dtype (`torch.dtype`, *optional*, defaults to `torch.float32`): dtype of the storage (the model's dtype).
@@ -232,8 +475,8 @@ class FlexibleStaticCache(Cache):
             once (with a warning naming the capacity to preset), `"error"` raises `ValueError` before writing.
 
     Raises:
-        ValueError: a capacity is not a positive int, `on_overflow` is unknown, or the model has layer types other
-            than full attention.
+        ValueError: a capacity is not a positive int, `on_overflow` is unknown, the model has layer types other than
+            full attention and linear attention, or no full-attention layer.
 
     Example:
 
@@ -260,17 +503,10 @@ class FlexibleStaticCache(Cache):
         _check_positive_int("max_batch_size", max_batch_size)
         _check_positive_int(self.length_name, max_cache_len)
         self.on_overflow = _check_on_overflow(on_overflow)
+        sizes = {"max_batch_size": max_batch_size, "max_cache_len": max_cache_len, "dtype": dtype, "device": device}
         layers = [
-            FlexibleStaticLayer(
-                max_batch_size=max_batch_size,
-                max_cache_len=max_cache_len,
-                num_heads=num_heads,
-                k_head_dim=head_dim,
-                v_head_dim=head_dim,
-                dtype=dtype,
-                device=device,
-            )
-            for _, num_heads, head_dim in _layer_shapes(config)
+            _build_layer(layer_type, num_heads, head_dim, config=config, **sizes)
+            for layer_type, num_heads, head_dim in _layer_shapes(config)
         ]
         super().__init__(layers=layers)
         self.num_allocations = 1
@@ -280,11 +516,11 @@ class FlexibleStaticCache(Cache):
         cls, *, config: PreTrainedConfig, max_batch_size: int, max_cache_len: int, dtype: torch.dtype = torch.float32
     ) -> int:
         """Bytes that a cache of these capacities allocates, computed without allocating anything."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return sum(
-            2 * max_batch_size * num_heads * max_cache_len * head_dim * itemsize
-            for _, num_heads, head_dim in _layer_shapes(config)
+        # The meta device allocates nothing, and building the cache there counts exactly what a real one holds.
+        meta_cache = cls(
+            config=config, max_batch_size=max_batch_size, max_cache_len=max_cache_len, dtype=dtype, device="meta"
         )
+        return meta_cache.nbytes
 
     # --- capacities -------------------------------------------------------------------------------------------
     @property
@@ -293,7 +529,8 @@ class FlexibleStaticCache(Cache):
 
     @property
     def max_cache_len(self) -> int:
-        return self.layers[0].max_cache_len
+        # The first attention layer: linear-attention layers have no length axis.
+        return next(layer.max_cache_len for layer in self.layers if isinstance(layer, FlexibleStaticLayer))
 
     @property
     def nbytes(self) -> int:
@@ -360,10 +597,10 @@ class FlexibleStaticCache(Cache):
             (no copy): writes through them land in the cache.
 
         Raises:
-            ValueError: `layer_idx`, `batch_size` or `length` is out of range.
+            ValueError: `layer_idx`, `batch_size` or `length` is out of range, or `layer_idx` is a linear-attention
+                layer.
         """
-        if not 0 <= layer_idx < len(self.layers):
-            raise ValueError(f"layer_idx={layer_idx} is out of range for a cache of {len(self.layers)} layers")
+        self._checked_layer(layer_idx, FlexibleStaticLayer)
         if not 0 <= batch_size <= self.max_batch_size:
             raise ValueError(f"batch_size={batch_size} must be between 0 and max_batch_size={self.max_batch_size}")
         if not 0 <= length <= self.max_cache_len:
@@ -385,7 +622,7 @@ class FlexibleStaticCache(Cache):
             ValueError: the batch differs from the one already written since the last `reset()`, or the call exceeds
                 a capacity with `on_overflow="error"`. Nothing is written in either case.
         """
-        layer = self.layers[layer_idx]
+        layer = self._checked_layer(layer_idx, FlexibleStaticLayer)
         batch_size, num_new = key_states.shape[0], key_states.shape[-2]
         if layer.seq_len > 0 and batch_size != layer.batch_size:
             raise ValueError(
@@ -403,6 +640,141 @@ class FlexibleStaticCache(Cache):
     def batch_size(self) -> int:
         """The live batch: rows written by the current call (0 before the first update after a reset)."""
         return self.layers[0].batch_size
+
+    def _checked_layer(self, layer_idx: int, layer_class: type) -> FlexibleStaticLayer | FlexibleLinearAttentionLayer:
+        """Layer `layer_idx`, checked to exist and to be of `layer_class`."""
+        if not 0 <= layer_idx < len(self.layers):
+            raise ValueError(f"layer_idx={layer_idx} is out of range for a cache of {len(self.layers)} layers")
+        layer = self.layers[layer_idx]
+        if not isinstance(layer, layer_class):
+            kinds = {FlexibleStaticLayer: "an attention", FlexibleLinearAttentionLayer: "a linear-attention"}
+            accessors = {
+                FlexibleStaticLayer: "get_kv/update",
+                FlexibleLinearAttentionLayer: "get_conv_state/get_recurrent_state and their update_ methods",
+            }
+            raise ValueError(
+                f"layer {layer_idx} is {kinds[type(layer)]} layer, not {kinds[layer_class]} one; use "
+                f"{accessors[type(layer)]} for it"
+            )
+        return layer
+
+    # --- linear-attention (Mamba) states ------------------------------------------------------------------------
+    def _linear_layer(self, layer_idx: int, state_idx: int) -> FlexibleLinearAttentionLayer:
+        layer = self._checked_layer(layer_idx, FlexibleLinearAttentionLayer)
+        if state_idx != 0:
+            raise ValueError(f"state_idx={state_idx} is out of range: linear-attention layers hold one state (0)")
+        return layer
+
+    def _check_state_batch(self, layer: FlexibleLinearAttentionLayer, layer_idx: int, batch_size: int) -> None:
+        if layer.batch_size > 0 and batch_size != layer.batch_size:
+            raise ValueError(
+                f"batch_size={batch_size} differs from batch_size={layer.batch_size} already cached in layer "
+                f"{layer_idx}; call cache.reset() before a call with another batch"
+            )
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        """Conv state of linear-attention layer `layer_idx` for the live batch.
+
+        Args:
+            layer_idx (`int`): a linear-attention decoder layer.
+            state_idx (`int`, *optional*, defaults to 0): which state; these layers hold one.
+
+        Returns:
+            `torch.Tensor | None`: a view `[B, C, K]` into the storage (no copy), so that the model's in-place decode
+            update (`conv_state.copy_(...)`) lands in the cache; None from `reset()` until this call's first
+            `update_conv_state`, as upstream.
+
+        Raises:
+            ValueError: `layer_idx` is out of range or not a linear-attention layer, or `state_idx` is not 0.
+        """
+        return self._linear_layer(layer_idx, state_idx).get_conv_state()
+
+    def update_conv_state(
+        self,
+        conv_states: torch.Tensor,
+        layer_idx: int,
+        state_idx: int = 0,
+        conv_kernel_size: int | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """Write the conv state of linear-attention layer `layer_idx`: the last `K` positions of what is returned.
+
+        Args:
+            conv_states (`torch.Tensor`): `[B, C, S]` new conv inputs.
+            layer_idx (`int`): a linear-attention decoder layer.
+            state_idx (`int`, *optional*, defaults to 0): which state; these layers hold one.
+            conv_kernel_size (`int`, *optional*): the model's kernel size, checked against the storage's `K`.
+
+        Returns:
+            `torch.Tensor`: as upstream's `LinearAttentionLayer.update_conv_state`: on the first update since
+            `reset()` (the prefill) `conv_states` left-padded to at least `K` positions, `[B, C, max(S, K)]`;
+            afterwards the cached state followed by `conv_states`, `[B, C, K + S]`.
+
+        Raises:
+            ValueError: as for `get_conv_state`; `C` or `K` differs from the storage; the batch differs from the one
+                written since the last `reset()`; or `B` exceeds `max_batch_size` with `on_overflow="error"`.
+                Nothing is written in any of these cases.
+        """
+        layer = self._linear_layer(layer_idx, state_idx)
+        kernel_size = layer.conv_kernel_size[0]
+        if conv_kernel_size is not None and conv_kernel_size != kernel_size:
+            raise ValueError(
+                f"conv_kernel_size={conv_kernel_size} differs from the kernel size {kernel_size} that layer "
+                f"{layer_idx} was allocated with (the config's `mamba_d_conv`)"
+            )
+        if tuple(conv_states.shape[1:-1]) != layer.conv_shape[:-1]:
+            raise ValueError(
+                f"conv_states of shape {tuple(conv_states.shape)} do not fit layer {layer_idx}, allocated for "
+                f"[batch, {layer.conv_shape[0]}, length] from the config"
+            )
+        self._check_state_batch(layer, layer_idx, conv_states.shape[0])
+        self.ensure_capacity(batch_size=conv_states.shape[0], length=0)
+        return layer.update_conv_state(conv_states)
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        """Recurrent (SSM) state of linear-attention layer `layer_idx` for the live batch.
+
+        Args:
+            layer_idx (`int`): a linear-attention decoder layer.
+            state_idx (`int`, *optional*, defaults to 0): which state; these layers hold one.
+
+        Returns:
+            `torch.Tensor | None`: a view `[B, C, N]` into the storage (no copy), so that the model's in-place decode
+            update (`state.copy_(...)`) lands in the cache; None from `reset()` until this call's first
+            `update_conv_state`, as upstream.
+
+        Raises:
+            ValueError: `layer_idx` is out of range or not a linear-attention layer, or `state_idx` is not 0.
+        """
+        return self._linear_layer(layer_idx, state_idx).get_recurrent_state()
+
+    def update_recurrent_state(
+        self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs
+    ) -> torch.Tensor:
+        """Write the recurrent (SSM) state of linear-attention layer `layer_idx`.
+
+        Args:
+            recurrent_states (`torch.Tensor`): `[B, C, N]` the state after this call's tokens.
+            layer_idx (`int`): a linear-attention decoder layer.
+            state_idx (`int`, *optional*, defaults to 0): which state; these layers hold one.
+
+        Returns:
+            `torch.Tensor`: a view `[B, C, N]` into the storage, holding `recurrent_states`.
+
+        Raises:
+            ValueError: as for `get_recurrent_state`; `(C, N)` differs from the storage; the batch differs from the
+                one written since the last `reset()`; or `B` exceeds `max_batch_size` with `on_overflow="error"`.
+                Nothing is written in any of these cases.
+        """
+        layer = self._linear_layer(layer_idx, state_idx)
+        if tuple(recurrent_states.shape[1:]) != layer.recurrent_shape:
+            raise ValueError(
+                f"recurrent_states of shape {tuple(recurrent_states.shape)} do not fit layer {layer_idx}, allocated "
+                f"for [batch, {', '.join(map(str, layer.recurrent_shape))}] from the config"
+            )
+        self._check_state_batch(layer, layer_idx, recurrent_states.shape[0])
+        self.ensure_capacity(batch_size=recurrent_states.shape[0], length=0)
+        return layer.update_recurrent_state(recurrent_states)
 
 
 class FlexibleCrossAttentionCache(FlexibleStaticCache):

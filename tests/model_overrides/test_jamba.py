@@ -1,0 +1,120 @@
+"""Jamba (Mamba layers plus attention layers) with `flexible_static`, against upstream's DynamicCache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from tests.helpers import assert_same_generation, generate_both
+from tests.model_cases import JAMBA
+from transformers_flexcache import FlexibleStaticCache
+
+CAPACITY = {"max_batch_size": 6, "max_cache_len": 24}
+MAMBA_LAYER = 0  # layer 0 of the test config is Mamba, layer 1 attention
+
+
+@pytest.fixture
+def models():
+    return JAMBA.build()
+
+
+def test_mamba_states_stay_in_one_storage_across_calls_of_different_batches_and_equal_upstreams(models):
+    upstream, flex = models
+    generator = torch.Generator().manual_seed(10)
+    state_pointers = set()
+    for batch_size, length in [(4, 9), (1, 5), (3, 7)]:
+        inputs = JAMBA.make_inputs(batch_size, length, generator)
+        expected, actual = generate_both(
+            upstream, flex, inputs, cache_config=CAPACITY, max_new_tokens=4, do_sample=False
+        )
+        assert_same_generation(expected, actual)
+        conv, ssm = actual.cache.get_conv_state(MAMBA_LAYER), actual.cache.get_recurrent_state(MAMBA_LAYER)
+        assert conv.shape[0] == ssm.shape[0] == batch_size
+        torch.testing.assert_close(conv, expected.cache.get_conv_state(MAMBA_LAYER), atol=1e-5, rtol=0)
+        torch.testing.assert_close(ssm, expected.cache.get_recurrent_state(MAMBA_LAYER), atol=1e-5, rtol=0)
+        state_pointers.add((conv.data_ptr(), ssm.data_ptr()))
+    assert len(state_pointers) == 1, "the Mamba states were reallocated between calls"
+    assert set(state_pointers.pop()) <= set(flex.flexible_cache.data_ptrs())
+    assert flex.flexible_cache.num_allocations == 1
+
+
+@pytest.mark.parametrize("num_beams", [2, 3])
+def test_beam_search_matches_dynamic_cache_including_sequences_scores(models, num_beams):
+    upstream, flex = models
+    generator = torch.Generator().manual_seed(11)
+    pointers = None
+    # batch x num_beams rows: 2 x 3 = 6 at most, then fewer on the same storage.
+    for batch_size, length in [(2, 8), (1, 4)]:
+        inputs = JAMBA.make_inputs(batch_size, length, generator)
+        expected, actual = generate_both(
+            upstream,
+            flex,
+            inputs,
+            cache_config=CAPACITY,
+            max_new_tokens=5,
+            num_beams=num_beams,
+            num_return_sequences=num_beams,
+            do_sample=False,
+        )
+        assert_same_generation(expected, actual)
+        pointers = pointers or actual.cache.data_ptrs()
+        assert actual.cache.data_ptrs() == pointers
+
+
+def test_seeded_sampling_matches_dynamic_cache(models):
+    upstream, flex = models
+    generator = torch.Generator().manual_seed(12)
+    for batch_size, length, seed in [(3, 6, 1), (2, 9, 2)]:
+        inputs = JAMBA.make_inputs(batch_size, length, generator)
+        expected, actual = generate_both(
+            upstream,
+            flex,
+            inputs,
+            cache_config=CAPACITY,
+            seed=seed,
+            max_new_tokens=5,
+            do_sample=True,
+            top_k=20,
+            temperature=0.8,
+            num_return_sequences=2,
+        )
+        assert_same_generation(expected, actual)
+
+
+def test_reset_after_a_larger_batch_leaks_no_state_into_a_smaller_one(models):
+    upstream, flex = models
+    generator = torch.Generator().manual_seed(13)
+    cache = FlexibleStaticCache(config=flex.config, max_batch_size=4, max_cache_len=16)
+    with torch.no_grad():
+        flex(**JAMBA.make_inputs(4, 8, generator), cache=cache, use_cache=True)
+        small = JAMBA.make_inputs(2, 5, generator)
+        with pytest.raises(ValueError, match=r"batch_size=2 differs from batch_size=4.*cache.reset\(\)"):
+            flex(**small, cache=cache, use_cache=True)
+        cache.reset()
+        assert not cache.has_previous_state() and cache.get_conv_state(MAMBA_LAYER) is None
+
+        dynamic = DynamicCache(config=upstream.config)
+        want = upstream(**small, cache=dynamic, use_cache=True).logits
+        got = flex(**small, cache=cache, use_cache=True).logits
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        # one decode step reads the Mamba states that the prefill left
+        step = {
+            "input_ids": want[:, -1].argmax(-1, keepdim=True),
+            "attention_mask": torch.cat([small["attention_mask"], torch.ones(2, 1, dtype=torch.long)], dim=1),
+        }
+        want = upstream(**step, cache=dynamic, use_cache=True).logits
+        got = flex(**step, cache=cache, use_cache=True).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(cache.get_conv_state(MAMBA_LAYER), dynamic.get_conv_state(MAMBA_LAYER))
+    torch.testing.assert_close(cache.get_recurrent_state(MAMBA_LAYER), dynamic.get_recurrent_state(MAMBA_LAYER))
+
+
+def test_a_bfloat16_model_generates_as_upstream_with_its_recurrent_state_in_float32():
+    upstream, flex = JAMBA.build()
+    upstream, flex = upstream.to(torch.bfloat16), flex.to(torch.bfloat16)
+    inputs = JAMBA.make_inputs(3, 6, torch.Generator().manual_seed(14))
+    expected, actual = generate_both(upstream, flex, inputs, cache_config=CAPACITY, max_new_tokens=4, do_sample=False)
+    assert_same_generation(expected, actual)
+    assert actual.cache.get_recurrent_state(MAMBA_LAYER).dtype == torch.float32
+    assert expected.cache.get_recurrent_state(MAMBA_LAYER).dtype == torch.float32

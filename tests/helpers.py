@@ -2,18 +2,29 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
+from transformers.utils import ModelOutput
 
 SCORE_ATOL = 1e-5
+
+
+def _own_copy(inputs: dict) -> dict:
+    # Beam search and num_return_sequences expand `encoder_outputs` in place (GenerationMixin.
+    # _expand_inputs_for_generation), so each generate gets its own shallow copy of model outputs it is given.
+    return {key: copy.copy(value) if isinstance(value, ModelOutput) else value for key, value in inputs.items()}
 
 
 def generate_both(upstream, flex, inputs: dict, *, cache_config: dict | None = None, seed: int = 0, **kwargs):
     """Run upstream (DynamicCache) and flex (`flexible_static`) generate with the same inputs and seed."""
     common = {"return_dict_in_generate": True, "output_scores": True, **kwargs}
     torch.manual_seed(seed)
-    expected = upstream.generate(**inputs, **common)
+    expected = upstream.generate(**_own_copy(inputs), **common)
     torch.manual_seed(seed)
-    actual = flex.generate(**inputs, cache_implementation="flexible_static", cache_config=cache_config or {}, **common)
+    actual = flex.generate(
+        **_own_copy(inputs), cache_implementation="flexible_static", cache_config=cache_config or {}, **common
+    )
     return expected, actual
 
 

@@ -2,7 +2,8 @@
 
 A case builds two models with the same weights from an upstream config class: the upstream model (the oracle,
 generating with its default DynamicCache) and our override. It also makes generate inputs of a given batch and
-length (prompt tokens, or encoder tokens for encoder-decoder models), with padding.
+length (prompt tokens, or encoder tokens for encoder-decoder models, with padding; for Whisper, log-mel features or
+encoder outputs, see `_whisper_inputs`).
 """
 
 from __future__ import annotations
@@ -18,11 +19,15 @@ from transformers import (
     LlamaForCausalLM,
     T5Config,
     T5ForConditionalGeneration,
+    WhisperConfig,
+    WhisperForConditionalGeneration,
 )
+from transformers.modeling_outputs import BaseModelOutput
 
 from model_overrides.jamba import FlexJambaForCausalLM
 from model_overrides.llama import FlexLlamaForCausalLM
 from model_overrides.t5 import FlexT5ForConditionalGeneration
+from model_overrides.whisper import FlexWhisperForConditionalGeneration
 
 VOCAB = 99
 
@@ -37,6 +42,9 @@ class ModelCase:
     # generate kwargs that every call of this case needs (e.g. special token ids)
     generate_kwargs: dict = field(default_factory=dict)
     attn_implementations: tuple[str, ...] = ("eager", "sdpa")
+    # Whether generate(return_dict_in_generate=True) returns the shared flexible cache itself. Whisper's generate
+    # returns a copy of its live content instead (generation_whisper.py rebuilds the cache row by row).
+    returns_flexible_cache: bool = True
 
     def build(self, attn_implementation: str = "eager", seed: int = 0):
         """(upstream model, override model) with identical seeded weights, in eval mode."""
@@ -120,6 +128,54 @@ def _jamba_config():
     )
 
 
+WHISPER_MAX_SOURCE_POSITIONS = 12  # the encoder length that log-mel features give (2 frames per position)
+WHISPER_NUM_MEL_BINS = 8
+WHISPER_D_MODEL = 32
+
+
+def _whisper_config():
+    return WhisperConfig(
+        vocab_size=VOCAB,
+        num_mel_bins=WHISPER_NUM_MEL_BINS,
+        d_model=WHISPER_D_MODEL,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=37,
+        decoder_ffn_dim=37,
+        max_source_positions=WHISPER_MAX_SOURCE_POSITIONS,
+        max_target_positions=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=1,
+        # upstream's defaults suppress ids of the real 51865-token vocabulary
+        suppress_tokens=None,
+        begin_suppress_tokens=None,
+        # at the default 0.02 a random tiny Whisper emits one token over and over; 0.5 gives varied sequences
+        init_std=0.5,
+    )
+
+
+def _whisper_inputs(batch_size: int, length: int, generator: torch.Generator) -> dict:
+    """Log-mel features when `length` is the encoder's fixed length, else encoder outputs of `length` positions.
+
+    Whisper's encoder takes exactly `2 * max_source_positions` frames, so features always give the same encoder
+    length. Shorter encoder lengths reach generate as `encoder_outputs`, as precomputed or trimmed encoder states do.
+    """
+    if length == WHISPER_MAX_SOURCE_POSITIONS:
+        features = torch.randn(batch_size, WHISPER_NUM_MEL_BINS, 2 * length, generator=generator)
+        return {"input_features": features}
+    if length > WHISPER_MAX_SOURCE_POSITIONS:
+        raise ValueError(
+            f"length={length} exceeds max_source_positions={WHISPER_MAX_SOURCE_POSITIONS} of the test Whisper config; "
+            "longer encoder outputs would switch Whisper's generate to long-form"
+        )
+    hidden_states = torch.randn(batch_size, length, WHISPER_D_MODEL, generator=generator)
+    return {"encoder_outputs": BaseModelOutput(last_hidden_state=hidden_states)}
+
+
 LLAMA = ModelCase(
     name="llama",
     build_config=_llama_config,
@@ -144,4 +200,13 @@ JAMBA = ModelCase(
     make_inputs=lambda b, n, g: _token_inputs(b, n, g, padding_side="left"),
 )
 
-MODEL_CASES = [LLAMA, T5, JAMBA]
+WHISPER = ModelCase(
+    name="whisper",
+    build_config=_whisper_config,
+    upstream_class=WhisperForConditionalGeneration,
+    flex_class=FlexWhisperForConditionalGeneration,
+    make_inputs=_whisper_inputs,
+    returns_flexible_cache=False,
+)
+
+MODEL_CASES = [LLAMA, T5, JAMBA, WHISPER]

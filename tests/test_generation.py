@@ -42,8 +42,13 @@ def test_stream_of_calls_matches_dynamic_cache_on_one_storage(case, attn):
             **case.generate_kwargs,
         )
         assert_same_generation(expected, actual)
-        assert actual.cache is flex.flexible_cache
-        pointers.append(actual.cache.data_ptrs())
+        assert actual.cache.get_seq_length() == expected.cache.get_seq_length()
+        if flex.config.is_encoder_decoder:
+            want = expected.cache.cross_attention_cache.get_seq_length()
+            assert actual.cache.cross_attention_cache.get_seq_length() == want == length
+        if case.returns_flexible_cache:
+            assert actual.cache is flex.flexible_cache
+        pointers.append(flex.flexible_cache.data_ptrs())
     assert all(p == pointers[0] for p in pointers), "the storage was reallocated within capacity"
     assert flex.flexible_cache.num_allocations == (2 if flex.config.is_encoder_decoder else 1)
 
@@ -99,7 +104,7 @@ def test_over_capacity_with_on_overflow_error_raises_and_the_next_call_is_correc
         upstream, flex, again, cache_config=config, max_new_tokens=4, do_sample=False, **case.generate_kwargs
     )
     assert_same_generation(expected, actual)
-    assert actual.cache.data_ptrs() == pointers
+    assert flex.flexible_cache.data_ptrs() == pointers
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -10,6 +10,8 @@ submodule class may therefore override methods only, never add state in `__init_
 from __future__ import annotations
 
 from torch import nn
+from transformers.modeling_utils import PreTrainedModel
+from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
 
 from .generation import FlexCacheGenerationMixin
 
@@ -25,6 +27,10 @@ def swap_module_classes(model: nn.Module, module_classes: dict[type, type]) -> i
         flex_class = module_classes.get(type(module))
         if flex_class is not None:
             module.__class__ = flex_class
+            if isinstance(module, PreTrainedModel):
+                # Upstream registers `_can_record_outputs` (what `output_attentions`/`output_hidden_states` record) by
+                # class name in `PreTrainedModel.__init__`, which a swapped class never runs.
+                _CAN_RECORD_REGISTRY[module] = module._can_record_outputs
             changed += 1
     return changed
 

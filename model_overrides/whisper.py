@@ -1,0 +1,233 @@
+"""Whisper: cross-attention reads its keys and values through `get_kv`; the decoder accepts an encoder mask.
+
+Upstream (transformers==5.24.0) needs two changes to run on a flexible cache:
+
+- `WhisperAttention.forward` reuses cross-attention keys and values by reading `cache.is_updated[layer_idx]` and
+  `cache.cross_attention_cache.layers[layer_idx].keys/.values`. With a cache larger than the call, those would be
+  the whole storage. `FlexWhisperAttention` writes them once per call with `cross_attention_cache.update` and reads
+  exactly the live rows and encoder positions with `cross_attention_cache.get_kv`.
+- `WhisperDecoder.forward` builds no cross-attention mask (it passes `encoder_attention_mask=None` to its layers).
+  With exact-shape views no mask is needed: the cross keys end at the encoder length of the call, as with
+  DynamicCache. But encoder outputs padded to a fixed length (a fixed-shape mode) need one, so
+  `FlexWhisperDecoder.forward` accepts `encoder_attention_mask` (`[B, L_enc]`, 1 for live encoder positions) and
+  builds the cross mask with `create_bidirectional_mask`, as BART's decoder does. Without it, outputs are upstream's.
+
+`WhisperGenerationMixin.generate` needs no change: for `return_dict_in_generate=True` it rebuilds the returned cache
+from each layer's `.keys/.values`, which the flexible cache exposes as views of the live batch and length, so the
+returned cache reports the lengths actually written (a copy, not the shared flexible cache).
+
+Shapes: B batch, S new decoder tokens, L_enc encoder length (live), d d_model.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
+from transformers.models.whisper.modeling_whisper import (
+    ALL_ATTENTION_FUNCTIONS,
+    WhisperAttention,
+    WhisperDecoder,
+    WhisperForConditionalGeneration,
+    eager_attention_forward,
+)
+from transformers.utils.deprecation import deprecate_kwarg
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
+
+from transformers_flexcache.cache import FlexibleEncoderDecoderCache
+from transformers_flexcache.modeling import FlexModelMixin
+
+
+class FlexWhisperAttention(WhisperAttention):
+    def forward(
+        self, hidden_states, key_value_states=None, cache=None, attention_mask=None, output_attentions=False, **kwargs
+    ):
+        """Derived from `transformers.models.whisper.modeling_whisper.WhisperAttention.forward` (transformers==5.24.0).
+
+        Differences: with a `FlexibleEncoderDecoderCache`, cross-attention keys and values are written with
+        `cross_attention_cache.update` on the first decoder step and read with `cross_attention_cache.get_kv`
+        afterwards. Self-attention, encoder attention and any other cache go to upstream's forward unchanged.
+        """
+        # hidden_states: [B, S, d], key_value_states: [B, L_enc, d] -> ([B, S, d], attention weights or None)
+        if key_value_states is None or not isinstance(cache, FlexibleEncoderDecoderCache):
+            return super().forward(
+                hidden_states,
+                key_value_states=key_value_states,
+                cache=cache,
+                attention_mask=attention_mask,
+                output_attentions=output_attentions,
+                **kwargs,
+            )
+
+        input_shape = hidden_states.shape[:-1]
+        batch_size = input_shape[0]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        # Upstream scales the query before the product (and passes scaling=1.0 below) to match the original model.
+        query_states = (self.q_proj(hidden_states) * self.scaling).view(hidden_shape).transpose(1, 2).contiguous()
+
+        # flexcache: the encoder length this call wrote replaces `is_updated` and `.layers[i].keys/.values`
+        encoder_len = cache.get_encoder_length(self.layer_idx)
+        if encoder_len > 0:
+            key_states, value_states = cache.cross_attention_cache.get_kv(self.layer_idx, batch_size, encoder_len)
+        else:
+            kv_shape = (batch_size, -1, self.num_heads, self.head_dim)
+            key_states = self.k_proj(key_value_states).view(kv_shape).transpose(1, 2).contiguous()
+            value_states = self.v_proj(key_value_states).view(kv_shape).transpose(1, 2).contiguous()
+            key_states, value_states = cache.cross_attention_cache.update(key_states, value_states, self.layer_idx)
+
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            dropout=0.0 if not self.training else self.dropout,
+            scaling=1.0,
+            output_attentions=output_attentions,
+            **kwargs,
+        )
+        attn_output = self.out_proj(attn_output.reshape(*input_shape, -1).contiguous())
+        return attn_output, attn_weights
+
+
+class FlexWhisperDecoder(WhisperDecoder):
+    @merge_with_config_defaults
+    @capture_outputs
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        encoder_hidden_states=None,
+        cache=None,
+        inputs_embeds=None,
+        position_ids=None,
+        use_cache=None,
+        encoder_attention_mask=None,  # flexcache: [B, L_enc], 1 for live encoder positions
+        **kwargs,
+    ) -> BaseModelOutputWithPastAndCrossAttentions:
+        """Derived from `transformers.models.whisper.modeling_whisper.WhisperDecoder.forward` (transformers==5.24.0).
+
+        Differences: takes `encoder_attention_mask` (`[B, L_enc]`) and passes the cross-attention mask built from it
+        to every layer, where upstream passes `encoder_attention_mask=None`. Without it, the behaviour is upstream's.
+
+        Raises:
+            ValueError: `encoder_attention_mask` does not cover exactly the encoder positions of
+                `encoder_hidden_states`.
+        """
+        # input_ids: [B, S], encoder_hidden_states: [B, L_enc, d] -> last_hidden_state [B, S, d]
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You cannot specify both decoder_input_ids and decoder_inputs_embeds at the same time")
+        if (
+            encoder_attention_mask is not None
+            and encoder_hidden_states is not None
+            and encoder_attention_mask.shape[-1] != encoder_hidden_states.shape[1]
+        ):  # flexcache: a mask that is not the live encoder length would attend to stale or missing positions
+            raise ValueError(
+                f"encoder_attention_mask covers {encoder_attention_mask.shape[-1]} encoder positions but the encoder "
+                f"outputs have {encoder_hidden_states.shape[1]}; pass a mask of shape [batch, "
+                f"{encoder_hidden_states.shape[1]}] (1 for live positions, 0 for padding)"
+            )
+
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+
+        # Upstream's cache defaults, unchanged: the decoder's layer count, and an EncoderDecoderCache for cross-attention.
+        if use_cache and cache is None:
+            decoder_cache_config = copy.deepcopy(self.config)
+            decoder_cache_config.num_hidden_layers = self.config.decoder_layers
+            cache = (
+                EncoderDecoderCache(
+                    DynamicCache(config=decoder_cache_config), DynamicCache(config=decoder_cache_config)
+                )
+                if encoder_hidden_states is not None or self.config.is_encoder_decoder
+                else DynamicCache(config=decoder_cache_config)
+            )
+        elif (
+            use_cache
+            and encoder_hidden_states is not None
+            and isinstance(cache, DynamicCache)
+            and not isinstance(cache, EncoderDecoderCache)
+            and cache.get_seq_length() == 0
+        ):
+            decoder_cache_config = copy.deepcopy(self.config)
+            decoder_cache_config.num_hidden_layers = self.config.decoder_layers
+            cache = EncoderDecoderCache(
+                DynamicCache(config=decoder_cache_config), DynamicCache(config=decoder_cache_config)
+            )
+
+        cache_length = cache.get_seq_length() if cache is not None else 0
+
+        if position_ids is None:
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + cache_length
+            position_ids = position_ids.unsqueeze(0).repeat(inputs_embeds.shape[0], 1)
+
+        positions = self.embed_positions(
+            input_ids if input_ids is not None else inputs_embeds, cache_length=cache_length, position_ids=position_ids
+        )
+        hidden_states = inputs_embeds + positions.to(inputs_embeds.device)
+        hidden_states = torch.nn.functional.dropout(hidden_states, p=self.dropout, training=self.training)
+
+        causal_mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            cache=cache,
+            position_ids=position_ids,
+        )
+        # flexcache: the cross-attention mask, [B, 1, S, L_enc] (None when there is no mask or nothing is masked)
+        cross_attention_mask = None
+        if encoder_attention_mask is not None and encoder_hidden_states is not None:
+            cross_attention_mask = create_bidirectional_mask(
+                config=self.config,
+                inputs_embeds=inputs_embeds,
+                attention_mask=encoder_attention_mask,
+                encoder_hidden_states=encoder_hidden_states,
+            )
+
+        for decoder_layer in self.layers:
+            # add LayerDrop (see https://huggingface.co/papers/1909.11556 for description)
+            if self.training and self.layerdrop > 0.0:
+                dropout_probability = torch.rand([])
+                if dropout_probability < self.layerdrop:
+                    continue
+
+            hidden_states = decoder_layer(
+                hidden_states,
+                causal_mask,
+                encoder_hidden_states,
+                encoder_attention_mask=cross_attention_mask,  # flexcache: upstream passes None
+                cache=cache if use_cache else None,
+                use_cache=use_cache,
+                **kwargs,
+            )
+
+        hidden_states = self.layer_norm(hidden_states)
+
+        return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden_states, cache=cache)
+
+
+class FlexWhisperForConditionalGeneration(FlexModelMixin, WhisperForConditionalGeneration):
+    """`WhisperForConditionalGeneration` with cross-attention through `get_kv`, an optional cross-attention mask, and
+    `flexible_static` in generate.
+
+    `encoder_attention_mask` (`[B, L_enc]`) given to `forward` or `generate` reaches the decoder through upstream's
+    `**kwargs`.
+    """
+
+    _flex_module_classes = {WhisperAttention: FlexWhisperAttention, WhisperDecoder: FlexWhisperDecoder}
+
+    def _validate_model_kwargs(self, model_kwargs: dict) -> None:
+        """Upstream's check, except that `encoder_attention_mask` is accepted: it reaches `FlexWhisperDecoder` through
+        `forward`'s `**kwargs`, which upstream's signature-based check cannot see."""
+        super()._validate_model_kwargs({k: v for k, v in model_kwargs.items() if k != "encoder_attention_mask"})
+
+
+FLEX_MODEL_CLASSES = [FlexWhisperForConditionalGeneration]

@@ -144,7 +144,7 @@ def _pix2struct_config():
         "d_kv": 8,
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
-        "seq_len": 16,  # row/column ids up to 16: 64 patches of 4 columns
+        "seq_len": 16,  # row/column ids below 16: up to 60 patches in rows of 4
     }
     return Pix2StructConfig(text_config=text_config, vision_config=vision_config)
 

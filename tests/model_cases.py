@@ -13,10 +13,14 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import (
+    BartConfig,
+    BartForConditionalGeneration,
     JambaConfig,
     JambaForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    Pix2StructConfig,
+    Pix2StructForConditionalGeneration,
     T5Config,
     T5ForConditionalGeneration,
     WhisperConfig,
@@ -24,8 +28,10 @@ from transformers import (
 )
 from transformers.modeling_outputs import BaseModelOutput
 
+from model_overrides.bart import FlexBartForConditionalGeneration
 from model_overrides.jamba import FlexJambaForCausalLM
 from model_overrides.llama import FlexLlamaForCausalLM
+from model_overrides.pix2struct import FlexPix2StructForConditionalGeneration
 from model_overrides.t5 import FlexT5ForConditionalGeneration
 from model_overrides.whisper import FlexWhisperForConditionalGeneration
 
@@ -176,6 +182,74 @@ def _whisper_inputs(batch_size: int, length: int, generator: torch.Generator) ->
     return {"encoder_outputs": BaseModelOutput(last_hidden_state=hidden_states)}
 
 
+def _bart_config():
+    return BartConfig(
+        vocab_size=VOCAB,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=37,
+        decoder_ffn_dim=37,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=2,
+        forced_eos_token_id=2,
+        # Untied and wider than upstream's 0.02: with tied embeddings the tiny model copies the decoder start (its
+        # EOS) at once, and with small weights every row decodes the same tokens whatever its encoder input.
+        tie_word_embeddings=False,
+        init_std=0.2,
+    )
+
+
+PATCH_DIM = 12  # pixels per flattened patch (tiny: upstream's is 16 x 16 x 3)
+PATCH_COLUMNS = 4  # patches per image row, for the row/column ids
+
+
+def _pix2struct_config():
+    text_config = {
+        "vocab_size": VOCAB,
+        "hidden_size": 32,
+        "d_kv": 8,
+        "d_ff": 37,
+        "num_layers": 2,
+        "num_heads": 4,
+        "relative_attention_num_buckets": 8,
+        "relative_attention_max_distance": 16,
+        "decoder_start_token_id": 0,
+        "pad_token_id": 0,
+        "eos_token_id": 2,
+    }
+    vision_config = {
+        "hidden_size": 32,
+        "patch_embed_hidden_size": PATCH_DIM,
+        "d_ff": 37,
+        "d_kv": 8,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "seq_len": 16,  # row/column ids below 16: up to 60 patches in rows of 4
+    }
+    return Pix2StructConfig(text_config=text_config, vision_config=vision_config)
+
+
+def _patch_inputs(batch_size: int, length: int, generator: torch.Generator) -> dict:
+    """`length` image patches per row laid out as the image processor does (1-based row/column ids, then pixels);
+    row 0 has only the first half of its patches, the rest zeros with mask 0 (the processor's padding)."""
+    # -> flattened_patches: [B, length, 2 + PATCH_DIM], attention_mask: [B, length]
+    index = torch.arange(length)
+    ids = torch.stack([index // PATCH_COLUMNS + 1, index % PATCH_COLUMNS + 1], dim=-1).float()
+    pixels = torch.randn(batch_size, length, PATCH_DIM, generator=generator)
+    flattened_patches = torch.cat([ids.expand(batch_size, -1, -1), pixels], dim=-1)
+    attention_mask = torch.ones(batch_size, length, dtype=torch.long)
+    if batch_size > 1 and length > 1:
+        attention_mask[0, length - length // 2 :] = 0
+        flattened_patches[0, length - length // 2 :] = 0
+    return {"flattened_patches": flattened_patches, "attention_mask": attention_mask}
+
+
 LLAMA = ModelCase(
     name="llama",
     build_config=_llama_config,
@@ -209,4 +283,23 @@ WHISPER = ModelCase(
     returns_flexible_cache=False,
 )
 
-MODEL_CASES = [LLAMA, T5, JAMBA, WHISPER]
+BART = ModelCase(
+    name="bart",
+    build_config=_bart_config,
+    upstream_class=BartForConditionalGeneration,
+    flex_class=FlexBartForConditionalGeneration,
+    make_inputs=lambda b, n, g: _token_inputs(b, n, g, padding_side="right"),
+)
+
+PIX2STRUCT = ModelCase(
+    name="pix2struct",
+    build_config=_pix2struct_config,
+    upstream_class=Pix2StructForConditionalGeneration,
+    flex_class=FlexPix2StructForConditionalGeneration,
+    make_inputs=_patch_inputs,
+    # The text config defaults use_cache=False; the reference must run with its DynamicCache. Generating with
+    # flexible_static without use_cache is tested in tests/model_overrides/test_pix2struct.py.
+    generate_kwargs={"use_cache": True},
+)
+
+MODEL_CASES = [LLAMA, T5, BART, WHISPER, JAMBA, PIX2STRUCT]

@@ -19,6 +19,9 @@ CASE_AND_ATTN = [
     pytest.param(case, attn, id=f"{case.name}-{attn}") for case in MODEL_CASES for attn in case.attn_implementations
 ]
 CASES = [pytest.param(case, id=case.name) for case in MODEL_CASES]
+ENCODER_DECODER_CASES = [
+    pytest.param(case, id=case.name) for case in MODEL_CASES if case.build_config().is_encoder_decoder
+]
 
 
 def _capacity_for(model):
@@ -122,8 +125,8 @@ def test_decoder_length_over_capacity_names_max_cache_len(case):
         )
 
 
-def test_encoder_length_over_capacity_names_max_encoder_len():
-    case = next(c for c in MODEL_CASES if c.name == "t5")
+@pytest.mark.parametrize("case", ENCODER_DECODER_CASES)
+def test_encoder_length_over_capacity_names_max_encoder_len(case):
     upstream, flex = case.build()
     generator = torch.Generator().manual_seed(5)
     config = {"max_encoder_len": 6, "on_overflow": "error"}
@@ -135,9 +138,16 @@ def test_encoder_length_over_capacity_names_max_encoder_len():
             cache_implementation="flexible_static",
             cache_config=config,
             max_new_tokens=3,
+            **case.generate_kwargs,
         )
     expected, actual = generate_both(
-        upstream, flex, case.make_inputs(2, 6, generator), cache_config=config, max_new_tokens=3, do_sample=False
+        upstream,
+        flex,
+        case.make_inputs(2, 6, generator),
+        cache_config=config,
+        max_new_tokens=3,
+        do_sample=False,
+        **case.generate_kwargs,
     )
     assert_same_generation(expected, actual)
 

@@ -19,7 +19,7 @@ from .generation import accept_cache_implementation_name, forget_cache_implement
 from .modeling import FlexModelMixin, swap_module_classes
 
 # model_type -> module under model_overrides/ that defines its override classes (`FLEX_MODEL_CLASSES`).
-SUPPORTED_MODEL_TYPES = ("llama", "t5", "jamba", "whisper")
+SUPPORTED_MODEL_TYPES = ("llama", "t5", "bart", "whisper", "jamba", "pix2struct")
 
 _MISSING = object()
 # (mapping, config class) -> what mapping._extra_content held before register(), to restore it exactly.

@@ -1,0 +1,81 @@
+"""BART: cross-attention reads its keys and values through the flexible cache's `get_kv`.
+
+Upstream's `BartAttention.forward` (transformers==5.24.0) reuses cross-attention keys and values by reading
+`cache.is_updated[layer_idx]` and `cache.cross_attention_cache.layers[layer_idx].keys/.values`. With a cache that is
+larger than the call, those tensors would be the whole storage. Here the cross-attention path asks the cache for
+exactly the rows and encoder positions that the current call wrote.
+
+What needs no change:
+- Self-attention only calls `update`, which returns views of the live batch and length.
+- Learned positions: `BartDecoder.forward` takes them from `cache.get_seq_length()`, which for our cache is the
+  live decoder length (a Python int), so positions are `arange(S) + L` exactly as with a DynamicCache.
+- Masks: the causal mask is sized by `get_mask_sizes` (live length), and the cross-attention mask is built by
+  `create_bidirectional_mask` from the encoder mask and `encoder_hidden_states` of this call, so it covers exactly
+  the live encoder length, padded rows included, which is the length `get_kv` returns.
+
+Shapes: `B` live batch, `S` new decoder tokens, `L_enc` live encoder length, `H` heads, `D` head dim.
+"""
+
+from __future__ import annotations
+
+from transformers.models.bart.modeling_bart import (
+    ALL_ATTENTION_FUNCTIONS,
+    BartAttention,
+    BartForConditionalGeneration,
+    eager_attention_forward,
+)
+
+from transformers_flexcache.cache import FlexibleEncoderDecoderCache
+from transformers_flexcache.modeling import FlexModelMixin
+
+
+class FlexBartAttention(BartAttention):
+    def forward(self, hidden_states, key_value_states=None, cache=None, attention_mask=None, **kwargs):
+        """Derived from `transformers.models.bart.modeling_bart.BartAttention.forward` (transformers==5.24.0).
+
+        Differences: with a `FlexibleEncoderDecoderCache`, cross-attention keys and values are written with
+        `cross_attention_cache.update` on the first decoder step and read with `cross_attention_cache.get_kv`
+        afterwards. Self-attention, encoder attention and any other cache go to upstream's forward unchanged.
+        """
+        # hidden_states: [B, S, d_model], key_value_states: [B, L_enc, d_model] -> [B, S, d_model], weights
+        if key_value_states is None or not isinstance(cache, FlexibleEncoderDecoderCache):
+            return super().forward(hidden_states, key_value_states, cache, attention_mask, **kwargs)
+
+        input_shape = hidden_states.shape[:-1]
+        batch_size = input_shape[0]
+        query_states = self.q_proj(hidden_states).view(*input_shape, -1, self.head_dim).transpose(1, 2)
+
+        # flexcache: the encoder length this call wrote replaces `is_updated` and `.layers[i].keys/.values`
+        encoder_len = cache.get_encoder_length(self.layer_idx)
+        if encoder_len > 0:
+            key_states, value_states = cache.cross_attention_cache.get_kv(self.layer_idx, batch_size, encoder_len)
+        else:
+            kv_shape = (*key_value_states.shape[:-1], -1, self.head_dim)
+            key_states = self.k_proj(key_value_states).view(kv_shape).transpose(1, 2)
+            value_states = self.v_proj(key_value_states).view(kv_shape).transpose(1, 2)
+            key_states, value_states = cache.cross_attention_cache.update(key_states, value_states, self.layer_idx)
+
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            dropout=0.0 if not self.training else self.dropout,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        attn_output = self.out_proj(attn_output.reshape(*input_shape, -1).contiguous())
+        return attn_output, attn_weights
+
+
+class FlexBartForConditionalGeneration(FlexModelMixin, BartForConditionalGeneration):
+    """`BartForConditionalGeneration` with cross-attention through `get_kv`, and `flexible_static` in generate."""
+
+    _flex_module_classes = {BartAttention: FlexBartAttention}
+
+
+FLEX_MODEL_CLASSES = [FlexBartForConditionalGeneration]

@@ -29,6 +29,9 @@ class ModelCase:
     # generate kwargs that every call of this case needs (e.g. special token ids)
     generate_kwargs: dict = field(default_factory=dict)
     attn_implementations: tuple[str, ...] = ("eager", "sdpa")
+    # Padding sides that tests/test_decoding.py checks; None: left for decoder-only models, and both sides of the
+    # encoder input for encoder-decoder models, when `make_inputs` gives an attention_mask (none: no padding test).
+    padding_sides: tuple[str, ...] | None = None
 
     def build(self, attn_implementation: str = "eager", seed: int = 0):
         """(upstream model, override model) with identical seeded weights, in eval mode."""

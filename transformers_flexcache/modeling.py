@@ -71,7 +71,7 @@ class FlexModelMixin(FlexCacheGenerationMixin):
             cls._flex_extra_auto_classes = (*cls.__dict__.get("_flex_extra_auto_classes", ()), name)
 
     def save_pretrained(
-        self, save_directory, *args, is_main_process: bool = True, push_to_hub: bool = False, **kwargs
+        self, save_directory, is_main_process: bool = True, state_dict=None, push_to_hub: bool = False, **kwargs
     ):
         """`PreTrainedModel.save_pretrained`, plus what a process without `register()` needs to build this class.
 
@@ -98,7 +98,7 @@ class FlexModelMixin(FlexCacheGenerationMixin):
             **auto_map_for(type(self), extra_auto_classes=getattr(type(self), "_flex_extra_auto_classes", ())),
         }
         try:
-            super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
+            super().save_pretrained(save_directory, is_main_process=is_main_process, state_dict=state_dict, **kwargs)
         finally:
             if had_auto_map:
                 self.config.auto_map = previous

@@ -51,6 +51,9 @@ class ModelCase:
     # Whether generate(return_dict_in_generate=True) returns the shared flexible cache itself. Whisper's generate
     # returns a copy of its live content instead (generation_whisper.py rebuilds the cache row by row).
     returns_flexible_cache: bool = True
+    # Padding sides that tests/test_decoding.py checks; None: left for decoder-only models, and both sides of the
+    # encoder input for encoder-decoder models, when `make_inputs` gives an attention_mask (none: no padding test).
+    padding_sides: tuple[str, ...] | None = None
 
     def build(self, attn_implementation: str = "eager", seed: int = 0):
         """(upstream model, override model) with identical seeded weights, in eval mode."""

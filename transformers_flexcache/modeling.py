@@ -5,14 +5,21 @@ classes to their `Flex` subclasses (`_flex_module_classes`). Building the model 
 changes the class of each mapped submodule in place: no weights are copied and state dicts stay upstream's. The
 same swap turns an already-loaded upstream model into its override (`transformers_flexcache.convert`). A `Flex`
 submodule class may therefore override methods only, never add state in `__init__`.
+
+`save_pretrained` also writes an `auto_map` and a small `modeling_flexcache.py` that imports the override class, so
+that `AutoModel*.from_pretrained(dir, trust_remote_code=True)` builds it without `register()` (see `auto_classes.py`).
 """
 
 from __future__ import annotations
 
+import os
+
+import transformers.models.auto as transformers_auto
 from torch import nn
 from transformers.modeling_utils import PreTrainedModel
 from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
 
+from .auto_classes import auto_map_for, write_remote_code_module
 from .generation import FlexCacheGenerationMixin
 
 
@@ -48,3 +55,60 @@ class FlexModelMixin(FlexCacheGenerationMixin):
     def flex_upstream_class(cls) -> type:
         """The upstream model class this override stands for (the first base after the mixins)."""
         return next(base for base in cls.__mro__[1:] if not issubclass(base, FlexCacheGenerationMixin))
+
+    @classmethod
+    def register_for_auto_class(cls, auto_class="AutoModel"):
+        """Overrides `PreTrainedModel.register_for_auto_class` (transformers==5.24.0): records `auto_class` for the
+        `auto_map` that `save_pretrained` writes.
+
+        Differences: upstream sets `cls._auto_class`, which makes `save_pretrained` copy the file defining the class
+        (`model_overrides/<model_type>.py`) into the folder and point `auto_map` at that copy. `save_pretrained`
+        already maps every auto class that upstream uses for this model to `modeling_flexcache.py`, which imports
+        the installed class; this only adds `auto_class` to them. transformers calls this method on the class it
+        loads through `trust_remote_code`, so a model loaded that way saves the same folder again.
+
+        Raises:
+            ValueError: `auto_class` is not an auto class of `transformers.models.auto`.
+        """
+        name = auto_class if isinstance(auto_class, str) else auto_class.__name__
+        if not hasattr(transformers_auto, name):
+            raise ValueError(f"{name} is not a valid auto class.")
+        if name not in cls.__dict__.get("_flex_extra_auto_classes", ()):
+            cls._flex_extra_auto_classes = (*cls.__dict__.get("_flex_extra_auto_classes", ()), name)
+
+    def save_pretrained(
+        self, save_directory, is_main_process: bool = True, state_dict=None, push_to_hub: bool = False, **kwargs
+    ):
+        """`PreTrainedModel.save_pretrained`, plus what a process without `register()` needs to build this class.
+
+        Adds to `config.json` an `auto_map` from every auto class upstream uses for this model (and any given to
+        `register_for_auto_class`) to `modeling_flexcache.<class name>`, and writes `modeling_flexcache.py`, which
+        imports the class from the installed package. The weights and the rest of the config are upstream's.
+
+        Raises:
+            ValueError: `push_to_hub=True`: upstream uploads inside its `save_pretrained`, before the module file
+                exists; `model.push_to_hub(repo_id)` saves through this method and uploads the whole folder.
+        """
+        if push_to_hub:
+            raise ValueError(
+                f"{type(self).__name__}.save_pretrained(push_to_hub=True) would upload the folder before "
+                "modeling_flexcache.py is written; save with push_to_hub=False, or call model.push_to_hub(repo_id), "
+                "which saves through save_pretrained and uploads the whole folder"
+            )
+        save_on_this_rank = self.should_save_on_this_rank(is_main_process)
+        had_auto_map = "auto_map" in vars(self.config)
+        previous = self.config.auto_map if had_auto_map else None
+        # Set only while upstream writes config.json: the model's config is left as it was.
+        self.config.auto_map = {
+            **(previous or {}),
+            **auto_map_for(type(self), extra_auto_classes=getattr(type(self), "_flex_extra_auto_classes", ())),
+        }
+        try:
+            super().save_pretrained(save_directory, is_main_process=is_main_process, state_dict=state_dict, **kwargs)
+        finally:
+            if had_auto_map:
+                self.config.auto_map = previous
+            else:
+                del self.config.auto_map
+        if save_on_this_rank and os.path.isdir(save_directory):
+            write_remote_code_module(type(self), save_directory)

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import importlib
 
-from transformers.models.auto import modeling_auto
-from transformers.models.auto.auto_factory import _LazyAutoMapping
-
+from .auto_classes import auto_mappings, maps_to
 from .generation import accept_cache_implementation_name, forget_cache_implementation_name
 from .modeling import FlexModelMixin, swap_module_classes
 
@@ -35,15 +33,6 @@ def flex_model_classes() -> list[type[FlexModelMixin]]:
     return classes
 
 
-def _auto_mappings() -> list[_LazyAutoMapping]:
-    return [value for value in vars(modeling_auto).values() if isinstance(value, _LazyAutoMapping)]
-
-
-def _mapped_names(mapping: _LazyAutoMapping, model_type: str) -> tuple[str, ...]:
-    names = mapping._model_mapping.get(model_type, ())
-    return (names,) if isinstance(names, str) else tuple(names)
-
-
 def register() -> None:
     """Return the override classes from AutoModel classes, and accept `cache_implementation="flexible_static"`.
 
@@ -54,8 +43,8 @@ def register() -> None:
     for flex_class in flex_model_classes():
         upstream = flex_class.flex_upstream_class()
         config_class = upstream.config_class
-        for mapping in _auto_mappings():
-            if upstream.__name__ not in _mapped_names(mapping, config_class.model_type):
+        for mapping in auto_mappings():
+            if not maps_to(mapping, upstream):
                 continue
             key = (id(mapping), config_class)
             if key not in _saved:
@@ -65,7 +54,7 @@ def register() -> None:
 
 def unregister() -> None:
     """Undo `register()`: AutoModel classes return upstream's classes again, and the cache name is refused."""
-    mappings = {id(mapping): mapping for mapping in _auto_mappings()}
+    mappings = {id(mapping): mapping for mapping in auto_mappings()}
     for (mapping_id, config_class), previous in _saved.items():
         mapping = mappings[mapping_id]
         if previous is _MISSING:

@@ -54,6 +54,8 @@ class ModelCase:
     # Padding sides that tests/test_decoding.py checks; None: left for decoder-only models, and both sides of the
     # encoder input for encoder-decoder models, when `make_inputs` gives an attention_mask (none: no padding test).
     padding_sides: tuple[str, ...] | None = None
+    # Input length for tests/test_decoding.py, when the default does not suit the model's own generate.
+    decoding_input_len: int | None = None
 
     def build(self, attn_implementation: str = "eager", seed: int = 0):
         """(upstream model, override model) with identical seeded weights, in eval mode."""
@@ -289,6 +291,9 @@ WHISPER = ModelCase(
     flex_class=FlexWhisperForConditionalGeneration,
     make_inputs=_whisper_inputs,
     returns_flexible_cache=False,
+    # Log-mel features, not encoder outputs: upstream's Whisper generate cannot expand `encoder_outputs` for
+    # num_return_sequences (it repeats `input_features`, which is then None).
+    decoding_input_len=WHISPER_MAX_SOURCE_POSITIONS,
 )
 
 BART = ModelCase(

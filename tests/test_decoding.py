@@ -38,7 +38,8 @@ def _padding_sides(case) -> tuple[str, ...]:
 
 
 def _inputs(case, seed: int = 0) -> dict:
-    return case.make_inputs(BATCH_SIZE, INPUT_LEN, torch.Generator().manual_seed(seed))
+    length = case.decoding_input_len or INPUT_LEN
+    return case.make_inputs(BATCH_SIZE, length, torch.Generator().manual_seed(seed))
 
 
 def _with(case, **kwargs) -> dict:
@@ -59,28 +60,32 @@ def _repad(inputs: dict, side: str) -> dict:
 
 
 class _EosInRow0At(LogitsProcessor):
-    """At length `at_len`, batch row 0 (all its beams) may only choose `eos_token_id`, if EOS is allowed there.
+    """At decoding step `step`, batch row 0 (all its beams) may only choose `eos_token_id`, if EOS is allowed there.
 
     Makes row 0 stop early on purpose, whatever the tiny model prefers, while the other rows decode freely. Other
-    tokens of row 0 become -inf and EOS keeps its own score, so scores stay comparable within float tolerance.
+    tokens of row 0 become -inf and EOS keeps its own score, so scores stay comparable within float tolerance. The
+    step is counted from the length of the first `input_ids` it sees (models' generate differ in what they prepend).
     """
 
-    def __init__(self, *, eos_token_id: int, at_len: int, num_beams: int):
-        self.eos_token_id, self.at_len, self.num_beams = eos_token_id, at_len, num_beams
+    def __init__(self, *, eos_token_id: int, step: int, num_beams: int):
+        self.eos_token_id, self.step, self.num_beams = eos_token_id, step, num_beams
+        self.start_len = None
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         # input_ids: [B * num_beams, L], scores: [B * num_beams, V]; row 0's beams come first
+        if self.start_len is None:
+            self.start_len = input_ids.shape[1]
         row_0 = scores[: self.num_beams]
-        if input_ids.shape[1] != self.at_len or not torch.isfinite(row_0[:, self.eos_token_id]).all():
+        at_step = input_ids.shape[1] == self.start_len + self.step
+        if not at_step or not torch.isfinite(row_0[:, self.eos_token_id]).all():
             return scores
         forced = torch.full_like(row_0, -torch.inf)
         forced[:, self.eos_token_id] = row_0[:, self.eos_token_id]
         return torch.cat([forced, scores[self.num_beams :]])
 
 
-def _eos_for_row_0_at_step(upstream, case, inputs, strategy: str, *, step: int) -> tuple[dict, int]:
-    """generate kwargs that end row 0 with EOS at decoding step `step` (if EOS is allowed then), and the length of
-    the sequences before the first new token (prompt, or decoder start tokens).
+def _eos_for_row_0_at_step(upstream, case, inputs, strategy: str, *, step: int) -> dict:
+    """generate kwargs that end row 0 with EOS at decoding step `step` (if EOS is allowed then).
 
     EOS is a token that upstream's own run of the same strategy (with an EOS that is never generated) gives no row,
     so the other rows run to max_new_tokens.
@@ -88,13 +93,10 @@ def _eos_for_row_0_at_step(upstream, case, inputs, strategy: str, *, step: int) 
     torch.manual_seed(0)
     kwargs = _with(case, max_new_tokens=NEW_TOKENS, eos_token_id=NEVER_GENERATED, **STRATEGIES[strategy])
     sequences = upstream.generate(**inputs, **kwargs)
-    start_len = sequences.shape[1] - NEW_TOKENS
     vocab_size = upstream.config.get_text_config().vocab_size
-    eos_token_id = min(set(range(3, vocab_size)) - set(sequences[:, start_len:].flatten().tolist()))
-    processor = _EosInRow0At(
-        eos_token_id=eos_token_id, at_len=start_len + step, num_beams=STRATEGIES[strategy].get("num_beams", 1)
-    )
-    return {"eos_token_id": eos_token_id, "logits_processor": LogitsProcessorList([processor])}, start_len
+    eos_token_id = min(set(range(3, vocab_size)) - set(sequences.flatten().tolist()))
+    processor = _EosInRow0At(eos_token_id=eos_token_id, step=step, num_beams=STRATEGIES[strategy].get("num_beams", 1))
+    return {"eos_token_id": eos_token_id, "logits_processor": LogitsProcessorList([processor])}
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
@@ -142,15 +144,16 @@ def test_returned_logits_of_beam_search_match_dynamic_cache(case):
 def test_rows_that_reach_eos_before_others_match_dynamic_cache(case, strategy):
     upstream, flex = case.build()
     inputs = _inputs(case, seed=4)
-    eos, start_len = _eos_for_row_0_at_step(upstream, case, inputs, strategy, step=1)
+    eos = _eos_for_row_0_at_step(upstream, case, inputs, strategy, step=1)
     kwargs = _with(case, max_new_tokens=NEW_TOKENS, **eos, **STRATEGIES[strategy])
     expected, actual = generate_both(upstream, flex, inputs, **kwargs)
+    start_len = expected.sequences.shape[1] - NEW_TOKENS  # prompt or decoder start tokens
     # The situation this test is about: row 0 ended with EOS at step 1, then padding; the other rows never did.
     # (Beam search fills with EOS where pad_token_id is 0: upstream's `pad_token_id or eos_token_id[0]`.)
     eos_token_id, pad_token_id = eos["eos_token_id"], upstream.generation_config.pad_token_id
     assert expected.sequences[0, start_len + 1] == eos_token_id, expected.sequences
     assert torch.isin(expected.sequences[0, start_len + 2 :], torch.tensor([pad_token_id, eos_token_id])).all()
-    assert eos_token_id not in expected.sequences[1:] and expected.sequences.shape[1] == start_len + NEW_TOKENS
+    assert eos_token_id not in expected.sequences[1:]
     assert_same_generation(expected, actual)
 
 
@@ -159,14 +162,14 @@ def test_min_new_tokens_holds_back_eos_and_max_new_tokens_ends_like_dynamic_cach
     upstream, flex = case.build()
     inputs = _inputs(case, seed=4)
     min_new_tokens = 3
-    eos, start_len = _eos_for_row_0_at_step(upstream, case, inputs, "greedy", step=1)
+    eos = _eos_for_row_0_at_step(upstream, case, inputs, "greedy", step=1)
     kwargs = _with(case, min_new_tokens=min_new_tokens, **eos, **STRATEGIES["greedy"])
     expected, actual = generate_both(upstream, flex, inputs, max_new_tokens=NEW_TOKENS, **kwargs)
     # The situation this test is about: EOS, which would end row 0 at step 1, is held back (-inf) there, so every
     # row runs to max_new_tokens.
     eos_token_id = eos["eos_token_id"]
     assert all(torch.isinf(expected.scores[step][:, eos_token_id]).all() for step in range(min_new_tokens))
-    assert eos_token_id not in expected.sequences and expected.sequences.shape[1] == start_len + NEW_TOKENS
+    assert eos_token_id not in expected.sequences
     assert_same_generation(expected, actual)
     assert len(actual.scores) == NEW_TOKENS
 

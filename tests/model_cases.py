@@ -29,6 +29,9 @@ class ModelCase:
     # generate kwargs that every call of this case needs (e.g. special token ids)
     generate_kwargs: dict = field(default_factory=dict)
     attn_implementations: tuple[str, ...] = ("eager", "sdpa")
+    # Why this model cannot compile a padded generate stream into one decode graph, with what was measured; the
+    # compile tests then expect it to fail (strict xfail) instead of passing. Empty: it must reach one graph.
+    compile_opt_out: str = ""
 
     def build(self, attn_implementation: str = "eager", seed: int = 0):
         """(upstream model, override model) with identical seeded weights, in eval mode."""

@@ -37,7 +37,14 @@ from .cache import (
     Overflow,
     overflow_message,
 )
-from .padding import PaddedCall, left_pad_prompt, pad_encoder_outputs, pad_rows
+from .padding import (
+    PaddedCall,
+    left_pad_prompt,
+    lengths_as_new_tokens,
+    pad_encoder_outputs,
+    pad_rows,
+    pad_token_id,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -255,7 +262,8 @@ class FlexCacheGenerationMixin:
         main_param = next(iter(signature.parameters))  # `inputs` (GenerationMixin) or e.g. `input_features`
         call = self._pad_generate_call(resolved, arguments, extra, model_kwargs, main_param=main_param)
         output = upstream_generate(**arguments, **extra)
-        setattr(self, _PROMPT_LEN_ATTR, call.padded_prompt_len)
+        if not self.config.is_encoder_decoder:
+            setattr(self, _PROMPT_LEN_ATTR, call.padded_prompt_len)  # grow-only: at least the held length
         return call.cut(output)
 
     def _may_request_padded(self, generation_config, kwargs: dict) -> bool:
@@ -302,9 +310,10 @@ class FlexCacheGenerationMixin:
             call.num_prompt_pad = 0  # `sequences` then holds only new tokens: nothing to cut from it
         if num_prompt_pad:
             model_inputs = left_pad_prompt(
-                model_inputs, prompt_len=prompt_len, num_pad=num_prompt_pad, pad_token_id=_pad_token_id(resolved)
+                model_inputs, prompt_len=prompt_len, num_pad=num_prompt_pad, pad_token_id=pad_token_id(resolved)
             )
-            extra.update(self._lengths_as_new_tokens(resolved, arguments.get("generation_config"), extra, prompt_len))
+            given = (extra, arguments.get("generation_config"), self.generation_config)
+            extra.update(lengths_as_new_tokens(resolved, given, prompt_len=prompt_len))
         extra.update(model_inputs)
         if "stopping_criteria" in inspect.signature(super().generate).parameters:
             arguments["stopping_criteria"] = call.stopping_criteria(arguments.get("stopping_criteria"))
@@ -319,20 +328,6 @@ class FlexCacheGenerationMixin:
                 raise ValueError(message)
             logger.warning("The padded prompt length grows (a new prefill shape under torch.compile): %s", message)
         return max(limit, prompt_len) - prompt_len
-
-    def _lengths_as_new_tokens(self, resolved, generation_config, extra: dict, prompt_len: int) -> dict:
-        """`max_length`/`min_length` that the caller set, as token counts after the real prompt.
-
-        Upstream counts them from the start of the (here left-padded) prompt; new-token counts are unaffected.
-        """
-        lengths = {}
-        for total, new in (("max_length", "max_new_tokens"), ("min_length", "min_new_tokens")):
-            set_by_caller = extra.get(total) is not None or getattr(generation_config, total, None) is not None
-            set_by_caller |= getattr(self.generation_config, total, None) is not None
-            if getattr(resolved, new) is None and set_by_caller:
-                extra.pop(total, None)
-                lengths[new] = max(getattr(resolved, total) - prompt_len, 0)
-        return lengths
 
     def create_masks_for_generate(self, **mask_kwargs):
         """The hook `GenerationMixin.prepare_inputs_for_generation` (transformers==5.24.0) calls for compileable caches.
@@ -408,16 +403,6 @@ class FlexCacheGenerationMixin:
         model_kwargs["cache"] = get_flexible_cache(self, need=need, cache_config=generation_config.cache_config)
         if generation_config.is_assistant:
             model_kwargs["cache"].activate_past_recording()
-
-
-def _pad_token_id(generation_config) -> int:
-    """The token that pads prompts: `pad_token_id`, else the first `eos_token_id`, else 0 (it is masked anyway)."""
-    for token_id in (generation_config.pad_token_id, generation_config.eos_token_id):
-        if isinstance(token_id, (list, tuple)):
-            token_id = token_id[0] if token_id else None
-        if token_id is not None:
-            return int(token_id)
-    return 0
 
 
 def is_flexible_cache(cache) -> bool:

@@ -104,6 +104,36 @@ def left_pad_prompt(model_inputs: dict, *, prompt_len: int, num_pad: int, pad_to
     return padded
 
 
+def pad_token_id(generation_config) -> int:
+    """The token that pads prompts: `pad_token_id`, else the first `eos_token_id`, else 0 (it is masked anyway)."""
+    for token_id in (generation_config.pad_token_id, generation_config.eos_token_id):
+        if isinstance(token_id, (list, tuple)):
+            token_id = token_id[0] if token_id else None
+        if token_id is not None:
+            return int(token_id)
+    return 0
+
+
+def lengths_as_new_tokens(resolved, given: tuple, *, prompt_len: int) -> dict:
+    """`max_length`/`min_length` that the caller set, as new-token counts after the real prompt of `prompt_len`.
+
+    Upstream counts total lengths from the start of the (here left-padded) prompt, new-token counts after it. A total
+    length counts as set when the call's kwargs, its `generation_config` or the model's (the items of `given`) set it;
+    it is removed from the kwargs (`given[0]`) so that only the new-token count reaches upstream.
+    """
+    kwargs = given[0]
+    lengths = {}
+    for total, new in (("max_length", "max_new_tokens"), ("min_length", "min_new_tokens")):
+        set_by_caller = any(
+            (source.get(total) if isinstance(source, dict) else getattr(source, total, None)) is not None
+            for source in given
+        )
+        if getattr(resolved, new) is None and set_by_caller:
+            kwargs.pop(total, None)
+            lengths[new] = max(getattr(resolved, total) - prompt_len, 0)
+    return lengths
+
+
 def pad_encoder_outputs(model_kwargs: dict, max_encoder_len: int) -> None:
     """Right-pad `encoder_outputs` and the encoder `attention_mask` in `model_kwargs` to `max_encoder_len`, in place.
 

@@ -2,8 +2,9 @@
 
 On one CUDA device, for a seeded random model (see `transformers_flexcache.compile_bench` for the configs):
 1. `flexible padded` (`cache_implementation="flexible_static"`, `shape_policy="padded"`): over the stream, the decode
-   step compiles once, CUDA graphs are recorded once (one capture set for every batch and length) and never skipped,
-   and the tokens equal those of upstream's DynamicCache run eagerly on the same device and dtype.
+   step compiles once, CUDA graphs are recorded during the first call only (one capture set, reused by every later
+   batch and length) and never skipped, and the tokens equal those of upstream's DynamicCache run eagerly on the same
+   device and dtype.
 2. `static` (upstream `cache_implementation="static"` with the same `max_cache_len`): graphs compiled and CUDA graph
    recordings over the same stream (it builds a new cache, at new addresses, per call).
 3. Decode-step latency of both, warm, on the largest shape: (time of N tokens - time of 1 token) / (N - 1), median
@@ -65,7 +66,7 @@ def synchronize(device: torch.device) -> None:
 def run_stream(model, inputs: list[dict], *, new_tokens: int, **generate_kwargs) -> dict:
     """Generate every call of the stream; count graphs, recordings and cudagraph skips."""
     fresh_compiler()
-    sequences, calls_s = [], []
+    sequences, calls_s, recordings = [], [], []
     with counting_cudagraph_recordings() as count:
         for call_inputs in inputs:
             synchronize(model.device)
@@ -75,10 +76,12 @@ def run_stream(model, inputs: list[dict], *, new_tokens: int, **generate_kwargs)
             synchronize(model.device)
             calls_s.append(time.perf_counter() - start)
             sequences.append(out)
+            recordings.append(count["recordings"])
     counters = torch._dynamo.utils.counters
     return {
         "graphs": counters["stats"]["unique_graphs"],
         "cudagraph_recordings": count["recordings"],
+        "cudagraph_recordings_after_each_call": recordings,
         "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
         "stream_s": sum(calls_s),
         "calls_s": calls_s,
@@ -109,7 +112,16 @@ def decode_step_latency(model, call_inputs: dict, *, tokens: int, repeats: int, 
     return (long - short) / (tokens - 1)
 
 
-def check(model_type: str, *, device: torch.device, dtype: torch.dtype, new_tokens: int, tokens: int, repeats: int):
+def check(
+    model_type: str,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    new_tokens: int,
+    tokens: int,
+    repeats: int,
+    backend: str = "inductor",
+):
     model = build_model(model_type).to(device=device, dtype=dtype)
     generator = torch.Generator().manual_seed(0)
     padding_side = "right" if model.config.is_encoder_decoder else "left"
@@ -117,7 +129,7 @@ def check(model_type: str, *, device: torch.device, dtype: torch.dtype, new_toke
         {k: v.to(device) for k, v in make_inputs(b, n, generator, padding_side=padding_side).items()}
         for b, n in STREAM
     ]
-    compile_config = CompileConfig(mode="reduce-overhead", fullgraph=True)
+    compile_config = CompileConfig(backend=backend, mode="reduce-overhead", fullgraph=True)
     if device.type != "cuda":
         compile_config._compile_all_devices = True  # the CPU smoke run: generate compiles on CPU only when asked to
     cache_len = max(capacities(model, tokens)["max_cache_len"], capacities(model, new_tokens)["max_cache_len"])
@@ -139,7 +151,10 @@ def check(model_type: str, *, device: torch.device, dtype: torch.dtype, new_toke
             model, largest, tokens=tokens, repeats=repeats, **kwargs
         )
     padded = runs["flexible padded"]
-    recorded_once = padded["cudagraph_recordings"] == 1 if device.type == "cuda" else True
+    after_each_call = padded["cudagraph_recordings_after_each_call"]
+    recorded_once = (
+        after_each_call[0] > 0 and after_each_call[-1] == after_each_call[0] if device.type == "cuda" else True
+    )
     passed = padded["graphs"] == 1 and recorded_once and padded["cudagraph_skips"] == 0 and padded["tokens_equal"]
     return {"model": model_type, "device": str(device), "dtype": str(dtype), "runs": runs, "passed": passed}
 
@@ -166,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--latency-tokens", type=int, default=64, help="N of the decode-step latency")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", default="gpu_check.json")
+    parser.add_argument("--backend", default="inductor", help="torch.compile backend (CUDA graphs need inductor)")
     parser.add_argument("--allow-cpu", action="store_true", help="smoke-test this script on CPU (no CUDA graphs)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() and not args.allow_cpu:
@@ -186,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             new_tokens=args.new_tokens,
             tokens=args.latency_tokens,
             repeats=args.repeats,
+            backend=args.backend,
         )
         print(format_table(result), flush=True)
         results.append(result)

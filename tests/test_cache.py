@@ -314,3 +314,79 @@ def test_linear_attention_states_of_a_config_without_mamba_sizes_are_refused_not
     config = Qwen3NextConfig(num_hidden_layers=4, hidden_size=32, num_attention_heads=4, num_key_value_heads=2)
     with pytest.raises(ValueError, match=r"cannot size the linear-attention states of Qwen3NextConfig.*mamba_d_conv"):
         FlexibleStaticCache(config=config, max_batch_size=1, max_cache_len=4)
+
+
+# --- shape_policy="padded" ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("batch_size", "lengths"), [(1, [5, 1, 1]), (4, [7, 1]), (2, [16])])
+def test_padded_update_returns_the_whole_capacity_and_matches_dynamic_cache_where_written(batch_size, lengths):
+    flex, dynamic = _cache(shape_policy="padded"), DynamicCache()
+    for step, length in enumerate(lengths):
+        for layer_idx in range(2):
+            keys, values = _kv(batch_size, length, seed=10 * step + layer_idx)
+            got_keys, got_values = flex.update(keys, values, layer_idx)
+            want_keys, want_values = dynamic.update(keys, values, layer_idx)
+            assert got_keys.shape == (batch_size, 2, MAX_LEN, 8)
+            written = want_keys.shape[2]
+            torch.testing.assert_close(
+                (got_keys[:, :, :written], got_values[:, :, :written]), (want_keys, want_values)
+            )
+            assert not got_keys[:, :, written:].any(), "positions not written yet must hold zeros"
+    assert isinstance(flex.get_seq_length(), torch.Tensor) and flex.get_seq_length().item() == sum(lengths)
+    assert flex.get_mask_sizes(1, 0) == (MAX_LEN, 0)
+
+
+def test_padded_reset_zeroes_the_storage_in_place():
+    cache = _cache(shape_policy="padded")
+    pointers = cache.data_ptrs()
+    cache.update(*_kv(4, 10, seed=1), 0)
+    cache.reset()
+    assert cache.get_seq_length().item() == 0
+    assert not cache.get_kv(0, MAX_BATCH, MAX_LEN)[0].any()
+    assert cache.data_ptrs() == pointers
+
+
+@pytest.mark.parametrize(("shape_policy", "compileable"), [("exact", False), ("padded", True)])
+def test_only_the_padded_policy_is_compileable(shape_policy, compileable):
+    assert _cache(shape_policy=shape_policy).is_compileable is compileable
+    encoder_decoder = FlexibleEncoderDecoderCache(
+        config=T5.build_config(), max_batch_size=2, max_cache_len=5, max_encoder_len=7, shape_policy=shape_policy
+    )
+    assert encoder_decoder.is_compileable is compileable
+    assert encoder_decoder.shape_policy == shape_policy
+
+
+def test_padded_beam_reorder_permutes_rows_like_dynamic_cache_and_keeps_the_address():
+    flex, dynamic = _cache(shape_policy="padded"), DynamicCache()
+    keys, values = _kv(3, 4, seed=11)
+    flex.update(keys, values, 0)
+    dynamic.update(keys, values, 0)
+    pointers = flex.data_ptrs()
+    beam_idx = torch.tensor([2, 0, 0])
+    flex.reorder_cache(beam_idx)
+    dynamic.reorder_cache(beam_idx)
+    torch.testing.assert_close(flex.get_kv(0, 3, 4), (dynamic.layers[0].keys, dynamic.layers[0].values))
+    assert flex.data_ptrs() == pointers
+
+
+def test_padded_update_over_max_batch_size_is_refused_before_writing():
+    cache = _cache(shape_policy="padded")
+    with pytest.raises(ValueError, match=r"batch_size=5 exceeds max_batch_size=4.*\"max_batch_size\": 5"):
+        cache.update(*_kv(5, 1, seed=12), 0)
+    assert cache.get_seq_length().item() == 0
+
+
+def test_padded_grow_keeps_the_written_content():
+    cache = _cache(shape_policy="padded")
+    keys, values = _kv(2, 3, seed=13)
+    cache.update(keys, values, 0)
+    cache.grow(max_batch_size=6, max_cache_len=20)
+    assert (cache.max_batch_size, cache.max_cache_len, cache.num_allocations) == (6, 20, 2)
+    torch.testing.assert_close(cache.get_kv(0, 2, 3), (keys, values))
+    assert cache.get_seq_length().item() == 3
+
+
+def test_unknown_shape_policy_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match=r"shape_policy='fixed' is not one of \('exact', 'padded'\)"):
+        _cache(shape_policy="fixed")

@@ -19,7 +19,13 @@ Design decisions:
   write, which is why `reset` only has to set counters back to zero: stale data left by an earlier, larger call is
   unreachable. It also means the outputs match `DynamicCache`, which holds exactly those tensors.
 - Live lengths are Python ints. That keeps eager decoding free of host syncs, but every step is a new shape to
-  `torch.compile`, so this cache reports `is_compileable = False`; a fixed-shape mode for compile is separate work.
+  `torch.compile`, so this ("exact") mode reports `is_compileable = False`.
+- `shape_policy="padded"` is the fixed-shape mode for `torch.compile` and CUDA graphs (`FlexiblePaddedLayer`): the
+  self-attention layers return all `L_max` positions, leave the unwritten ones to the attention mask
+  (`get_mask_sizes` returns the capacity) and count positions in a 0-d tensor with a static address, as upstream's
+  `StaticLayer` does. The cross-attention cache keeps exact Python-int lengths: it is written once per call, and
+  `generate` pads the encoder output to `max_encoder_len`, so its live length is always the capacity. Generate pads
+  the batch to `max_batch_size` (see `padding.py`), so a compiled decode step sees one set of shapes for every call.
 - Capacity is checked before anything is written: a refused call (`on_overflow="error"`) leaves the cache exactly
   as it was; with the default `on_overflow="grow"` the storage is reallocated once, live content copied, and a
   warning says which capacity to preset.
@@ -49,6 +55,7 @@ from transformers.configuration_utils import PreTrainedConfig, get_head_shapes
 logger = logging.getLogger(__name__)
 
 ON_OVERFLOW_CHOICES = ("grow", "error")
+SHAPE_POLICIES = ("exact", "padded")
 
 
 @dataclass(frozen=True)
@@ -79,6 +86,12 @@ def _check_on_overflow(on_overflow: str) -> str:
     if on_overflow not in ON_OVERFLOW_CHOICES:
         raise ValueError(f"on_overflow={on_overflow!r} is not one of {ON_OVERFLOW_CHOICES}")
     return on_overflow
+
+
+def _check_shape_policy(shape_policy: str) -> str:
+    if shape_policy not in SHAPE_POLICIES:
+        raise ValueError(f"shape_policy={shape_policy!r} is not one of {SHAPE_POLICIES}")
+    return shape_policy
 
 
 class FlexibleStaticLayer(CacheLayerMixin):
@@ -117,6 +130,21 @@ class FlexibleStaticLayer(CacheLayerMixin):
         self.batch_size = 0  # live batch: rows written by the current call
         self.seq_len = 0  # live length: positions written by the current call
         self.is_initialized = True
+        self.static_address = False  # set by `mark_static_address`; kept through `grow`
+
+    def mark_static_address(self) -> None:
+        """Tell `torch.compile` (and CUDA graphs) that the storage keeps its address across calls.
+
+        Without it, a compiled step with `mode="reduce-overhead"` copies mutated inputs into its own buffers or skips
+        CUDA graphs. Not allowed while dynamo traces, as for upstream's `StaticLayer`; a no-op then.
+        """
+        self.static_address = True
+        if not torch.compiler.is_compiling():
+            for tensor in self._static_tensors():
+                torch._dynamo.mark_static_address(tensor)
+
+    def _static_tensors(self) -> list[torch.Tensor]:
+        return [self._key_storage, self._value_storage]
 
     # Read-only live views, for upstream code that reads `layer.keys` (e.g. Whisper's generate rebuilding caches).
     @property
@@ -211,6 +239,91 @@ class FlexibleStaticLayer(CacheLayerMixin):
         new_values[: self.batch_size, :, : self.seq_len].copy_(live_values)
         self._key_storage, self._value_storage = new_keys, new_values
         self.max_batch_size, self.max_cache_len = max_batch_size, max_cache_len
+        if self.static_address:
+            self.mark_static_address()
+
+
+class FlexiblePaddedLayer(FlexibleStaticLayer):
+    """The fixed-shape ("padded") mode of `FlexibleStaticLayer`, for `torch.compile` and CUDA graphs.
+
+    `update` writes with `index_copy_` at positions counted by `cumulative_length`, a 0-d tensor with a static
+    address (as upstream's `StaticLayer`), and returns all `L_max` positions of the call's rows; the attention mask
+    hides those not written yet (`get_mask_sizes` returns the capacity). So a decode step has the same shapes and reads
+    no changing Python value at any step of any call, and compiles once. The exact mode's Python-int `seq_len` is not
+    used: the live length is `cumulative_length`. `update` does not check the length against the capacity (that
+    would need a host sync): `generate` checks before the call, and `index_copy_` raises past the capacity on CPU.
+    """
+
+    is_compileable = True
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        # A tensor, not an int: positions then derive from it inside the graph instead of being baked into it.
+        self.cumulative_length = torch.zeros((), dtype=torch.long, device=self.device)
+        self.mark_static_address()
+
+    def _static_tensors(self) -> list[torch.Tensor]:
+        return [self._key_storage, self._value_storage, self.cumulative_length]
+
+    @property
+    def keys(self) -> torch.Tensor:  # [B, H, L_max, D]
+        return self._key_storage[: self.batch_size]
+
+    @property
+    def values(self) -> torch.Tensor:  # [B, H, L_max, D]
+        return self._value_storage[: self.batch_size]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        # key_states: [B, H, S, D] -> 2 x [B, H, L_max, D]
+        batch_size, num_new = key_states.shape[0], key_states.shape[-2]
+        positions = torch.arange(num_new, device=self.device) + self.cumulative_length  # [S]
+        self.cumulative_length.add_(num_new)  # in place: the address stays static
+        keys, values = self._key_storage[:batch_size], self._value_storage[:batch_size]
+        keys.index_copy_(2, positions, key_states)
+        values.index_copy_(2, positions, value_states)
+        self.batch_size = batch_size
+        return keys, values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # Attention always spans the whole capacity; the mask hides the positions not written yet.
+        return self.max_cache_len, 0
+
+    def get_seq_length(self) -> torch.Tensor:  # 0-d, as upstream's StaticLayer: an int would be baked into graphs
+        return self.cumulative_length
+
+    def reset(self) -> None:
+        # Unlike the exact mode, attention reads every position (with weight 0 where masked): zero the storage so that
+        # nothing non-finite left by an earlier call can turn a masked product into NaN (upstream zeroes too).
+        self._key_storage.zero_()
+        self._value_storage.zero_()
+        self.cumulative_length.zero_()
+        self.batch_size = 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.batch_size == 0:
+            return
+        beam_idx = beam_idx.to(self.device)
+        # Copied back in place (upstream's StaticLayer rebinds `keys`), so the static address is kept.
+        for storage in (self._key_storage[: self.batch_size], self._value_storage[: self.batch_size]):
+            storage.copy_(storage.index_select(0, beam_idx))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"crop({tokens_to_remove}) is not supported; pass a negative number of tokens to remove, as for "
+                "upstream StaticLayer"
+            )
+        self.cumulative_length.sub_(-tokens_to_remove)
+
+    def grow(self, *, max_batch_size: int, max_cache_len: int) -> None:
+        """Reallocate to the given capacities (each at least the current one), keeping all written content."""
+        old_keys, old_values = self._key_storage, self._value_storage
+        self._key_storage = old_keys.new_zeros(max_batch_size, self.num_heads, max_cache_len, old_keys.shape[-1])
+        self._value_storage = old_values.new_zeros(max_batch_size, self.num_heads, max_cache_len, old_values.shape[-1])
+        self._key_storage[: old_keys.shape[0], :, : old_keys.shape[2]].copy_(old_keys)
+        self._value_storage[: old_values.shape[0], :, : old_values.shape[2]].copy_(old_values)
+        self.max_batch_size, self.max_cache_len = max_batch_size, max_cache_len
+        self.mark_static_address()
 
 
 class FlexibleLinearAttentionLayer(LinearAttentionCacheLayerMixin):
@@ -435,6 +548,7 @@ def _build_layer(
     max_cache_len: int,
     dtype: torch.dtype,
     device: torch.device | str,
+    shape_policy: str = "exact",
 ) -> FlexibleStaticLayer | FlexibleLinearAttentionLayer:
     if layer_type == "linear_attention":
         conv_shape, recurrent_shape = _linear_attention_shapes(config)
@@ -446,7 +560,8 @@ def _build_layer(
             recurrent_dtype=_recurrent_dtype(dtype),
             device=device,
         )
-    return FlexibleStaticLayer(
+    attention_layer_class = FlexiblePaddedLayer if shape_policy == "padded" else FlexibleStaticLayer
+    return attention_layer_class(
         max_batch_size=max_batch_size,
         max_cache_len=max_cache_len,
         num_heads=num_heads,
@@ -473,10 +588,13 @@ class FlexibleStaticCache(Cache):
         device (`torch.device` or `str`, *optional*, defaults to `"cpu"`): device of the storage.
         on_overflow (`str`, *optional*, defaults to `"grow"`): what a call over capacity does: `"grow"` reallocates
             once (with a warning naming the capacity to preset), `"error"` raises `ValueError` before writing.
+        shape_policy (`str`, *optional*, defaults to `"exact"`): `"exact"` returns views of the live batch and length
+            (eager, `torch.export` with dynamic shapes); `"padded"` returns all `max_cache_len` positions and leaves the
+            rest to the attention mask, so that shapes stay fixed for `torch.compile` (see `FlexiblePaddedLayer`).
 
     Raises:
-        ValueError: a capacity is not a positive int, `on_overflow` is unknown, the model has layer types other than
-            full attention and linear attention, or no full-attention layer.
+        ValueError: a capacity is not a positive int, `on_overflow` or `shape_policy` is unknown, the model has layer
+            types other than full attention and linear attention, or no full-attention layer.
 
     Example:
 
@@ -499,13 +617,15 @@ class FlexibleStaticCache(Cache):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         on_overflow: str = "grow",
+        shape_policy: str = "exact",
     ):
         _check_positive_int("max_batch_size", max_batch_size)
         _check_positive_int(self.length_name, max_cache_len)
         self.on_overflow = _check_on_overflow(on_overflow)
+        self.shape_policy = _check_shape_policy(shape_policy)
         sizes = {"max_batch_size": max_batch_size, "max_cache_len": max_cache_len, "dtype": dtype, "device": device}
         layers = [
-            _build_layer(layer_type, num_heads, head_dim, config=config, **sizes)
+            _build_layer(layer_type, num_heads, head_dim, config=config, shape_policy=shape_policy, **sizes)
             for layer_type, num_heads, head_dim in _layer_shapes(config)
         ]
         super().__init__(layers=layers)
@@ -616,14 +736,24 @@ class FlexibleStaticCache(Cache):
             layer_idx (`int`): decoder layer.
 
         Returns:
-            `tuple[torch.Tensor, torch.Tensor]`: views `[B, H, L + S, D]` of everything this call wrote.
+            `tuple[torch.Tensor, torch.Tensor]`: views `[B, H, L + S, D]` of everything this call wrote; with
+            `shape_policy="padded"`, `[B, H, L_max, D]` (all positions; the mask hides those not written).
 
         Raises:
             ValueError: the batch differs from the one already written since the last `reset()`, or the call exceeds
-                a capacity with `on_overflow="error"`. Nothing is written in either case.
+                a capacity with `on_overflow="error"`; with `shape_policy="padded"`, the batch exceeds
+                `max_batch_size` (the length is not checked here, see `FlexiblePaddedLayer`). Nothing is written.
         """
         layer = self._checked_layer(layer_idx, FlexibleStaticLayer)
         batch_size, num_new = key_states.shape[0], key_states.shape[-2]
+        if isinstance(layer, FlexiblePaddedLayer):
+            # Only static shapes are read here: a compiled decode step must not guard on a changing Python value.
+            if batch_size > self.max_batch_size:
+                raise ValueError(
+                    f"batch_size={batch_size} exceeds max_batch_size={self.max_batch_size}; a padded cache does not "
+                    f'grow inside a forward: pass cache_config={{"max_batch_size": {batch_size}}} or more'
+                )
+            return layer.update(key_states, value_states)
         if layer.seq_len > 0 and batch_size != layer.batch_size:
             raise ValueError(
                 f"batch_size={batch_size} differs from batch_size={layer.batch_size} already cached in layer "
@@ -780,10 +910,20 @@ class FlexibleStaticCache(Cache):
 class FlexibleCrossAttentionCache(FlexibleStaticCache):
     """The cross-attention half of `FlexibleEncoderDecoderCache`: its capacity is `max_encoder_len`.
 
-    Its live length is the encoder length that the current call wrote.
+    Its live length is the encoder length that the current call wrote. Its lengths stay Python ints with
+    `shape_policy="padded"` too: it is written once per call (a model can ask `get_seq_length` whether it was, without
+    a host sync), and `generate` pads the encoder output to `max_encoder_len`, so its shapes are already fixed. Padded
+    mode only marks its storage as a static address for CUDA graphs.
     """
 
     length_name = "max_encoder_len"
+
+    def __init__(self, *, shape_policy: str = "exact", **kwargs):
+        super().__init__(shape_policy="exact", **kwargs)
+        self.shape_policy = _check_shape_policy(shape_policy)
+        if shape_policy == "padded":
+            for layer in self.layers:
+                layer.mark_static_address()
 
 
 class FlexibleEncoderDecoderCache(EncoderDecoderCache):
@@ -797,6 +937,8 @@ class FlexibleEncoderDecoderCache(EncoderDecoderCache):
         dtype (`torch.dtype`, *optional*, defaults to `torch.float32`): dtype of the storage.
         device (`torch.device` or `str`, *optional*, defaults to `"cpu"`): device of the storage.
         on_overflow (`str`, *optional*, defaults to `"grow"`): `"grow"` or `"error"`, as for `FlexibleStaticCache`.
+        shape_policy (`str`, *optional*, defaults to `"exact"`): `"exact"` or `"padded"`, as for
+            `FlexibleStaticCache` (it applies to self-attention; see `FlexibleCrossAttentionCache` for cross-attention).
 
     Models read the cross-attention keys and values of the current call through
     `cache.cross_attention_cache.get_kv(layer_idx, batch_size, cache.get_encoder_length(layer_idx))`, after the first
@@ -813,8 +955,15 @@ class FlexibleEncoderDecoderCache(EncoderDecoderCache):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         on_overflow: str = "grow",
+        shape_policy: str = "exact",
     ):
-        common = {"config": config, "max_batch_size": max_batch_size, "dtype": dtype, "device": device}
+        common = {
+            "config": config,
+            "max_batch_size": max_batch_size,
+            "dtype": dtype,
+            "device": device,
+            "shape_policy": shape_policy,
+        }
         _check_positive_int("max_encoder_len", max_encoder_len)
         super().__init__(
             FlexibleStaticCache(max_cache_len=max_cache_len, on_overflow=on_overflow, **common),
@@ -852,6 +1001,10 @@ class FlexibleEncoderDecoderCache(EncoderDecoderCache):
     @property
     def on_overflow(self) -> str:
         return self.self_attention_cache.on_overflow
+
+    @property
+    def shape_policy(self) -> str:
+        return self.self_attention_cache.shape_policy
 
     @on_overflow.setter
     def on_overflow(self, value: str) -> None:

@@ -11,30 +11,49 @@ Design decisions:
 - Every check happens before the cache is touched, so a refused call leaves the cache usable for the next one.
 - The cache returned by `generate(..., return_dict_in_generate=True)` is that shared cache: the next call reuses
   (and overwrites) it.
+- `cache_config={"shape_policy": "padded"}` is the fixed-shape mode for `torch.compile`: `generate` pads the batch to
+  `max_batch_size`, decoder-only prompts to `max_prompt_len` and encoder outputs to `max_encoder_len` (see
+  `padding.py`), and the cache attends over its whole capacity (see `FlexiblePaddedLayer`). Capacities not given are
+  taken from the first call, as in the exact mode; the prompt length padded to is held on the model
+  (`_flex_max_prompt_len`) and grows like a capacity.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any
 
+import torch
+from transformers import masking_utils
 from transformers.generation import configuration_utils as generation_configuration
 from transformers.generation.utils import GenerationMixin
 
 from .cache import (
     ON_OVERFLOW_CHOICES,
+    SHAPE_POLICIES,
     FlexibleEncoderDecoderCache,
     FlexibleStaticCache,
     Overflow,
     overflow_message,
+)
+from .padding import (
+    PaddedCall,
+    left_pad_prompt,
+    lengths_as_new_tokens,
+    pad_encoder_outputs,
+    pad_rows,
+    pad_token_id,
 )
 
 logger = logging.getLogger(__name__)
 
 FLEXIBLE_STATIC = "flexible_static"
 CAPACITY_KEYS = ("max_batch_size", "max_cache_len", "max_encoder_len")
-CACHE_CONFIG_KEYS = CAPACITY_KEYS + ("on_overflow",)
+# `max_prompt_len` is a shape, not a storage size: padded mode left-pads decoder-only prompts to it.
+CACHE_CONFIG_KEYS = CAPACITY_KEYS + ("on_overflow", "shape_policy", "max_prompt_len")
 _CACHE_ATTR = "_flex_cache"
+_PROMPT_LEN_ATTR = "_flex_max_prompt_len"
 
 
 _upstream_prepare_cache = GenerationMixin._prepare_cache_for_generation
@@ -85,13 +104,16 @@ def parse_cache_config(cache_config: dict[str, Any] | None) -> dict[str, Any]:
             f"cache_config keys {unknown} are not understood by cache_implementation={FLEXIBLE_STATIC!r}; "
             f"valid keys are {list(CACHE_CONFIG_KEYS)}"
         )
-    for key in CAPACITY_KEYS:
+    for key in CAPACITY_KEYS + ("max_prompt_len",):
         value = settings.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f'cache_config["{key}"]={value!r} must be a positive int')
     on_overflow = settings.setdefault("on_overflow", "grow")
     if on_overflow not in ON_OVERFLOW_CHOICES:
         raise ValueError(f'cache_config["on_overflow"]={on_overflow!r} is not one of {ON_OVERFLOW_CHOICES}')
+    shape_policy = settings.setdefault("shape_policy", "exact")
+    if shape_policy not in SHAPE_POLICIES:
+        raise ValueError(f'cache_config["shape_policy"]={shape_policy!r} is not one of {SHAPE_POLICIES}')
     return settings
 
 
@@ -120,12 +142,13 @@ def _capacities_of(cache) -> dict[str, int]:
     return capacities
 
 
-def _build_cache(model, capacities: dict[str, int], on_overflow: str):
+def _build_cache(model, capacities: dict[str, int], on_overflow: str, shape_policy: str = "exact"):
     common = {
         "config": model.config,
         "dtype": model.dtype,
         "device": model.device,
         "on_overflow": on_overflow,
+        "shape_policy": shape_policy,
         "max_batch_size": capacities["max_batch_size"],
         "max_cache_len": capacities["max_cache_len"],
     }
@@ -144,6 +167,19 @@ def _grow(cache, capacities: dict[str, int]) -> None:
         )
     else:
         cache.grow(max_batch_size=capacities["max_batch_size"], max_cache_len=capacities["max_cache_len"])
+
+
+def reusable_cache(model, *, encoder_decoder: bool, shape_policy: str):
+    """The model's flexible cache if a call with these settings would reuse it, else None (it would be rebuilt)."""
+    cache = getattr(model, _CACHE_ATTR, None)
+    if cache is None or cache.dtype != model.dtype or cache.device != model.device:
+        return None
+    if isinstance(cache, FlexibleEncoderDecoderCache) != encoder_decoder:
+        return None
+    # The two shape policies differ in layer classes (padded storage has static addresses): rebuilt, not converted.
+    if cache.shape_policy != shape_policy:
+        return None
+    return cache
 
 
 def get_flexible_cache(model, *, need: dict[str, int], cache_config: dict[str, Any] | None):
@@ -170,9 +206,7 @@ def get_flexible_cache(model, *, need: dict[str, int], cache_config: dict[str, A
             cache.dtype,
             cache.device,
         )
-        cache = None
-    if cache is not None and isinstance(cache, FlexibleEncoderDecoderCache) != ("max_encoder_len" in need):
-        cache = None
+    cache = reusable_cache(model, encoder_decoder="max_encoder_len" in need, shape_policy=settings["shape_policy"])
 
     existing = _capacities_of(cache) if cache is not None else None
     capacities, exceeded = plan_capacities(need, settings, existing)
@@ -184,7 +218,7 @@ def get_flexible_cache(model, *, need: dict[str, int], cache_config: dict[str, A
         logger.warning("The flexible cache grows (one reallocation): %s", message)
 
     if cache is None:
-        cache = _build_cache(model, capacities, settings["on_overflow"])
+        cache = _build_cache(model, capacities, settings["on_overflow"], settings["shape_policy"])
         setattr(model, _CACHE_ATTR, cache)
     else:
         if capacities != existing:
@@ -198,7 +232,9 @@ class FlexCacheGenerationMixin:
     """Adds `cache_implementation="flexible_static"` to a model's `generate`.
 
     Put it before the upstream model class: `class FlexT5ForConditionalGeneration(FlexCacheGenerationMixin,
-    T5ForConditionalGeneration)`. Other cache implementations go to upstream unchanged.
+    T5ForConditionalGeneration)`. Other cache implementations go to upstream unchanged. With
+    `cache_config={"shape_policy": "padded"}`, `generate` pads the call to fixed shapes around upstream's `generate`
+    and cuts the outputs back (see `padding.py`).
     """
 
     def __init__(self, *args, **kwargs):
@@ -213,7 +249,118 @@ class FlexCacheGenerationMixin:
 
     def generate(self, *args, **kwargs):
         accept_cache_implementation_name()
-        return super().generate(*args, **kwargs)
+        upstream_generate = super().generate
+        signature = inspect.signature(upstream_generate)
+        arguments = signature.bind(*args, **kwargs).arguments
+        var_keyword = next(p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD)
+        extra = dict(arguments.pop(var_keyword, {}))
+        if not self._may_request_padded(arguments.get("generation_config"), extra):
+            return upstream_generate(*args, **kwargs)
+        resolved, model_kwargs = self._prepare_generation_config(arguments.get("generation_config"), **extra)
+        if resolved.cache_implementation != FLEXIBLE_STATIC:
+            return upstream_generate(*args, **kwargs)
+        main_param = next(iter(signature.parameters))  # `inputs` (GenerationMixin) or e.g. `input_features`
+        call = self._pad_generate_call(resolved, arguments, extra, model_kwargs, main_param=main_param)
+        output = upstream_generate(**arguments, **extra)
+        if not self.config.is_encoder_decoder:
+            setattr(self, _PROMPT_LEN_ATTR, call.padded_prompt_len)  # grow-only: at least the held length
+        return call.cut(output)
+
+    def _may_request_padded(self, generation_config, kwargs: dict) -> bool:
+        """A cheap look at whether any `cache_config` in reach asks for `shape_policy="padded"`."""
+        configs = (kwargs.get("cache_config"), getattr(generation_config, "cache_config", None))
+        configs += (self.generation_config.cache_config,)
+        return any(isinstance(config, dict) and config.get("shape_policy") == "padded" for config in configs)
+
+    def _pad_generate_call(self, resolved, arguments: dict, extra: dict, model_kwargs: dict, *, main_param: str):
+        """Pad the batch (and decoder-only prompts) of a generate call in `arguments`/`extra`, in place.
+
+        Returns:
+            `PaddedCall`: what was padded, to cut the outputs back.
+
+        Raises:
+            ValueError: the prompt exceeds `max_prompt_len` with `on_overflow="error"` (nothing is changed then).
+        """
+        settings = parse_cache_config(resolved.cache_config)
+        inputs = arguments.pop(main_param, None)
+        inputs_tensor, input_name, _ = self._prepare_model_inputs(inputs, resolved.bos_token_id, dict(model_kwargs))
+        batch_size, prompt_len = inputs_tensor.shape[0], inputs_tensor.shape[1]
+        num_prompt_pad = 0 if self.config.is_encoder_decoder else self._prompt_padding(settings, prompt_len)
+
+        expand = max(resolved.num_beams or 1, resolved.num_return_sequences or 1)
+        held = reusable_cache(self, encoder_decoder=self.config.is_encoder_decoder, shape_policy="padded")
+        max_rows = max(settings.get("max_batch_size") or 0, held.max_batch_size if held is not None else 0)
+        call = PaddedCall(
+            batch_size=batch_size,
+            padded_batch_size=max(batch_size, max_rows // expand),
+            num_prompt_pad=num_prompt_pad,
+            padded_prompt_len=prompt_len + num_prompt_pad,
+        )
+
+        model_inputs = {key: extra[key] for key in model_kwargs if key in extra}
+        model_inputs[input_name] = inputs_tensor
+        model_inputs = {
+            key: pad_rows(value, batch_size, call.padded_batch_size) for key, value in model_inputs.items()
+        }
+        for name in ("negative_prompt_ids", "negative_prompt_attention_mask"):
+            if arguments.get(name) is not None:
+                arguments[name] = pad_rows(arguments[name], batch_size, call.padded_batch_size)
+        ids = model_inputs.get("input_ids")
+        if not (isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] == prompt_len):
+            call.num_prompt_pad = 0  # `sequences` then holds only new tokens: nothing to cut from it
+        if num_prompt_pad:
+            model_inputs = left_pad_prompt(
+                model_inputs, prompt_len=prompt_len, num_pad=num_prompt_pad, pad_token_id=pad_token_id(resolved)
+            )
+            given = (extra, arguments.get("generation_config"), self.generation_config)
+            extra.update(lengths_as_new_tokens(resolved, given, prompt_len=prompt_len))
+        extra.update(model_inputs)
+        if "stopping_criteria" in inspect.signature(super().generate).parameters:
+            arguments["stopping_criteria"] = call.stopping_criteria(arguments.get("stopping_criteria"))
+        return call
+
+    def _prompt_padding(self, settings: dict, prompt_len: int) -> int:
+        """Positions to add on the left of a decoder-only prompt of `prompt_len` tokens to reach `max_prompt_len`."""
+        limit = max(settings.get("max_prompt_len") or 0, getattr(self, _PROMPT_LEN_ATTR, None) or 0)
+        if limit and prompt_len > limit:
+            message = overflow_message([Overflow("max_prompt_len", prompt_len, limit)])
+            if settings["on_overflow"] == "error":
+                raise ValueError(message)
+            logger.warning("The padded prompt length grows (a new prefill shape under torch.compile): %s", message)
+        return max(limit, prompt_len) - prompt_len
+
+    def create_masks_for_generate(self, **mask_kwargs):
+        """The hook `GenerationMixin.prepare_inputs_for_generation` (transformers==5.24.0) calls for compileable caches.
+
+        Differences from upstream's (the model's own, else `masking_utils.create_masks_for_generate`): with a padded
+        flexible cache, a full-attention mask that SDPA would drop in favour of `is_causal` (a prompt without padding)
+        is built anyway. Otherwise whether a prefill gets a mask would depend on the values of the call's attention
+        mask, and a compiled prefill would compile once with a mask and once without.
+        """
+        upstream = getattr(super(), "create_masks_for_generate", masking_utils.create_masks_for_generate)
+        masks = upstream(**mask_kwargs)
+        cache = mask_kwargs.get("cache")
+        if getattr(cache, "shape_policy", None) != "padded":
+            return masks
+        full_kwargs = {
+            key: mask_kwargs.get(key) for key in ("inputs_embeds", "attention_mask", "cache", "position_ids")
+        }
+        full_kwargs["config"] = mask_kwargs["config"].get_text_config()
+        if masks is None:
+            return masking_utils.create_causal_mask(**full_kwargs, allow_is_causal_skip=False)
+        if isinstance(masks, dict) and "full_attention" in masks and masks["full_attention"] is None:
+            masks["full_attention"] = masking_utils.create_causal_mask(**full_kwargs, allow_is_causal_skip=False)
+        return masks
+
+    def _pad_encoder_outputs(self, generation_config, model_kwargs: dict) -> None:
+        """Padded mode: right-pad encoder outputs and mask to `max_encoder_len` (configured, held, or this call's)."""
+        settings = parse_cache_config(generation_config.cache_config)
+        held = reusable_cache(self, encoder_decoder=True, shape_policy="padded")
+        encoder_len = model_kwargs["encoder_outputs"][0].shape[1]
+        max_encoder_len = max(
+            settings.get("max_encoder_len") or 0, held.max_encoder_len if held is not None else 0, encoder_len
+        )
+        pad_encoder_outputs(model_kwargs, max_encoder_len)
 
     @property
     def flexible_cache(self):
@@ -250,6 +397,8 @@ class FlexCacheGenerationMixin:
         if generation_config.max_cache_len is not None:
             # Upstream's `max_cache_len` generation option is honoured as a floor, as for its static cache.
             max_cache_length = max(max_cache_length, generation_config.max_cache_len)
+        if self.config.is_encoder_decoder and (generation_config.cache_config or {}).get("shape_policy") == "padded":
+            self._pad_encoder_outputs(generation_config, model_kwargs)
         need = self._flexible_cache_need(generation_config, model_kwargs, batch_size, max_cache_length)
         model_kwargs["cache"] = get_flexible_cache(self, need=need, cache_config=generation_config.cache_config)
         if generation_config.is_assistant:

@@ -1,0 +1,216 @@
+"""GPU check: CUDA graphs (`torch.compile(mode="reduce-overhead")`) over a stream of generate calls of new shapes.
+
+On one CUDA device, for a seeded random model (see `transformers_flexcache.compile_bench` for the configs):
+1. `flexible padded` (`cache_implementation="flexible_static"`, `shape_policy="padded"`): over the stream, the decode
+   step compiles once, CUDA graphs are recorded during the first call only (one capture set, reused by every later
+   batch and length) and never skipped, and the tokens equal those of upstream's DynamicCache run eagerly on the same
+   device and dtype.
+2. `static` (upstream `cache_implementation="static"` with the same `max_cache_len`): graphs compiled and CUDA graph
+   recordings over the same stream (it builds a new cache, at new addresses, per call).
+3. Decode-step latency of both, warm, on the largest shape: (time of N tokens - time of 1 token) / (N - 1), median
+   of `--repeats` runs, exactly N tokens per call (`min_new_tokens`).
+
+Exit status: 0 when (1) holds, 1 when it does not, 2 when there is no CUDA device.
+
+Run from the repository root, on a machine with a GPU:
+    PYTHONPATH=. python scripts/gpu_check.py --model t5 --json gpu_check.json
+`--allow-cpu` runs the same steps on CPU (no CUDA graphs: recordings stay 0), only to smoke-test this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+
+import torch
+from transformers import CompileConfig
+
+from transformers_flexcache.compile_bench import STREAM, build_model, capacities, make_inputs
+
+
+@contextlib.contextmanager
+def counting_cudagraph_recordings():
+    """Count CUDA graph recordings of inductor's cudagraph trees (one per captured node)."""
+    from torch._inductor import cudagraph_trees
+
+    count = {"recordings": 0}
+    original = cudagraph_trees.CUDAGraphNode._record
+
+    def record(self, *args, **kwargs):
+        count["recordings"] += 1
+        return original(self, *args, **kwargs)
+
+    cudagraph_trees.CUDAGraphNode._record = record
+    try:
+        yield count
+    finally:
+        cudagraph_trees.CUDAGraphNode._record = original
+
+
+def fresh_compiler() -> None:
+    torch._dynamo.reset()
+    with contextlib.suppress(Exception):
+        torch._inductor.cudagraph_trees.reset_cudagraph_trees()
+    torch._dynamo.utils.counters.clear()
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_stream(model, inputs: list[dict], *, new_tokens: int, **generate_kwargs) -> dict:
+    """Generate every call of the stream; count graphs, recordings and cudagraph skips."""
+    fresh_compiler()
+    sequences, calls_s, recordings = [], [], []
+    with counting_cudagraph_recordings() as count:
+        for call_inputs in inputs:
+            synchronize(model.device)
+            start = time.perf_counter()
+            with torch.inference_mode():
+                out = model.generate(**call_inputs, max_new_tokens=new_tokens, do_sample=False, **generate_kwargs)
+            synchronize(model.device)
+            calls_s.append(time.perf_counter() - start)
+            sequences.append(out)
+            recordings.append(count["recordings"])
+    counters = torch._dynamo.utils.counters
+    return {
+        "graphs": counters["stats"]["unique_graphs"],
+        "cudagraph_recordings": count["recordings"],
+        "cudagraph_recordings_after_each_call": recordings,
+        "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
+        "stream_s": sum(calls_s),
+        "calls_s": calls_s,
+        "sequences": sequences,
+    }
+
+
+def decode_step_latency(model, call_inputs: dict, *, tokens: int, repeats: int, **generate_kwargs) -> float:
+    """Seconds per decode step, warm: the prefill and per-call work cancel out in the difference."""
+
+    def timed(num_tokens: int) -> float:
+        synchronize(model.device)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(
+                **call_inputs,
+                max_new_tokens=num_tokens,
+                min_new_tokens=num_tokens,
+                do_sample=False,
+                **generate_kwargs,
+            )
+        synchronize(model.device)
+        return time.perf_counter() - start
+
+    timed(tokens)  # warm: compiles and records what this shape needs
+    long = statistics.median(timed(tokens) for _ in range(repeats))
+    short = statistics.median(timed(1) for _ in range(repeats))
+    return (long - short) / (tokens - 1)
+
+
+def check(
+    model_type: str,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    new_tokens: int,
+    tokens: int,
+    repeats: int,
+    backend: str = "inductor",
+):
+    model = build_model(model_type).to(device=device, dtype=dtype)
+    generator = torch.Generator().manual_seed(0)
+    padding_side = "right" if model.config.is_encoder_decoder else "left"
+    inputs = [
+        {k: v.to(device) for k, v in make_inputs(b, n, generator, padding_side=padding_side).items()}
+        for b, n in STREAM
+    ]
+    compile_config = CompileConfig(backend=backend, mode="reduce-overhead", fullgraph=True)
+    if device.type != "cuda":
+        compile_config._compile_all_devices = True  # the CPU smoke run: generate compiles on CPU only when asked to
+    cache_len = max(capacities(model, tokens)["max_cache_len"], capacities(model, new_tokens)["max_cache_len"])
+    flexible = {
+        "cache_implementation": "flexible_static",
+        "cache_config": {**capacities(model, new_tokens), "max_cache_len": cache_len, "shape_policy": "padded"},
+        "compile_config": compile_config,
+    }
+    static = {"cache_implementation": "static", "max_cache_len": cache_len, "compile_config": compile_config}
+
+    reference = run_stream(model, inputs, new_tokens=new_tokens)["sequences"]
+    runs = {"flexible padded": run_stream(model, inputs, new_tokens=new_tokens, **flexible)}
+    runs["static"] = run_stream(model, inputs, new_tokens=new_tokens, **static)
+    for run in runs.values():
+        run["tokens_equal"] = all(torch.equal(a, b) for a, b in zip(reference, run.pop("sequences"), strict=True))
+    largest = max(inputs, key=lambda call: call["input_ids"].numel())
+    for name, kwargs in (("flexible padded", flexible), ("static", static)):
+        runs[name]["decode_step_ms"] = 1e3 * decode_step_latency(
+            model, largest, tokens=tokens, repeats=repeats, **kwargs
+        )
+    padded = runs["flexible padded"]
+    after_each_call = padded["cudagraph_recordings_after_each_call"]
+    recorded_once = (
+        after_each_call[0] > 0 and after_each_call[-1] == after_each_call[0] if device.type == "cuda" else True
+    )
+    passed = padded["graphs"] == 1 and recorded_once and padded["cudagraph_skips"] == 0 and padded["tokens_equal"]
+    return {"model": model_type, "device": str(device), "dtype": str(dtype), "runs": runs, "passed": passed}
+
+
+def format_table(result: dict) -> str:
+    lines = [
+        f"model={result['model']} device={result['device']} dtype={result['dtype']} calls={len(STREAM)}",
+        f"{'run':<16} {'graphs':>6} {'recordings':>10} {'skips':>5} {'stream s':>9} {'decode ms':>9} {'tokens=eager':>12}",
+    ]
+    for name, run in result["runs"].items():
+        lines.append(
+            f"{name:<16} {run['graphs']:>6} {run['cudagraph_recordings']:>10} {run['cudagraph_skips']:>5} "
+            f"{run['stream_s']:>9.2f} {run['decode_step_ms']:>9.3f} {'yes' if run['tokens_equal'] else 'NO':>12}"
+        )
+    lines.append("PASS" if result["passed"] else "FAIL: flexible padded should compile once, record once, skip none")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=("t5", "llama", "all"), default="t5")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    parser.add_argument("--new-tokens", type=int, default=16, help="tokens per call of the stream")
+    parser.add_argument("--latency-tokens", type=int, default=64, help="N of the decode-step latency")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", default="gpu_check.json")
+    parser.add_argument("--backend", default="inductor", help="torch.compile backend (CUDA graphs need inductor)")
+    parser.add_argument("--allow-cpu", action="store_true", help="smoke-test this script on CPU (no CUDA graphs)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available() and not args.allow_cpu:
+        print(
+            "gpu_check needs a CUDA device (torch.cuda.is_available() is False with torch "
+            f"{torch.__version__}); run it on a machine with a GPU and a CUDA build of torch",
+            file=sys.stderr,
+        )
+        return 2
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    models = ("t5", "llama") if args.model == "all" else (args.model,)
+    results = []
+    for model_type in models:
+        result = check(
+            model_type,
+            device=device,
+            dtype=getattr(torch, args.dtype),
+            new_tokens=args.new_tokens,
+            tokens=args.latency_tokens,
+            repeats=args.repeats,
+            backend=args.backend,
+        )
+        print(format_table(result), flush=True)
+        results.append(result)
+    with open(args.json, "w") as f:
+        json.dump(results, f, indent=2)
+    print(f"wrote {args.json}")
+    return 0 if all(result["passed"] for result in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

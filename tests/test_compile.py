@@ -1,0 +1,95 @@
+"""torch.compile over a stream of generate calls of different shapes: one decode graph with shape_policy="padded".
+
+Graphs are counted with `torch._dynamo.testing.CompileCounter` (it traces but does not compile, to keep CI fast);
+every call's tokens and scores are compared with upstream's DynamicCache. `fullgraph=True`: a graph break would fail
+the call instead of adding a graph. Upstream's `cache_implementation="static"` recompiles along the same stream;
+that contrast is measured by `transformers_flexcache.compile_bench` (docs/compile.md), not asserted here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter
+from transformers import CompileConfig
+
+from tests.helpers import assert_same_generation
+from tests.model_cases import MODEL_CASES
+
+# (batch, prompt or encoder length, new tokens): every call a new batch and length.
+COMPILE_STREAM = [(4, 12, 3), (1, 5, 3), (3, 9, 2), (2, 3, 3), (4, 10, 2), (1, 7, 3)]
+COMPILE_CAPACITY = {"max_batch_size": 4, "max_cache_len": 16, "max_encoder_len": 12, "max_prompt_len": 12}
+
+CASES = [
+    pytest.param(
+        case,
+        id=case.name,
+        marks=[pytest.mark.xfail(reason=case.compile_opt_out, strict=True)] if case.compile_opt_out else [],
+    )
+    for case in MODEL_CASES
+]
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def counting_backend(counter: CompileCounter):
+    # A function, not the counter: CompileConfig deep-copies its backend (a copied counter would count elsewhere),
+    # and generate passes `mode=` to it.
+    def backend(graph_module, example_inputs, **kwargs):
+        return counter(graph_module, example_inputs)
+
+    return backend
+
+
+def padded_config(model) -> dict:
+    keep = "max_encoder_len" if model.config.is_encoder_decoder else "max_prompt_len"
+    config = {k: v for k, v in COMPILE_CAPACITY.items() if k not in ("max_encoder_len", "max_prompt_len") or k == keep}
+    return {**config, "shape_policy": "padded"}
+
+
+def run_stream(case, upstream, flex, counter: CompileCounter, **flex_kwargs) -> list[int]:
+    """Generate each shape of COMPILE_STREAM with both models, check outputs, return the graph count after each."""
+    generator = torch.Generator().manual_seed(0)
+    graphs = []
+    for batch_size, length, new_tokens in COMPILE_STREAM:
+        inputs = case.make_inputs(batch_size, length, generator)
+        common = {
+            "return_dict_in_generate": True,
+            "output_scores": True,
+            "max_new_tokens": new_tokens,
+            "do_sample": False,
+            **case.generate_kwargs,
+        }
+        expected = upstream.generate(**inputs, **common)
+        actual = flex.generate(
+            **inputs, cache_implementation="flexible_static", cache_config=padded_config(flex), **common, **flex_kwargs
+        )
+        assert_same_generation(expected, actual)
+        graphs.append(counter.frame_count)
+    return graphs
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_padded_stream_with_generate_compile_config_compiles_the_decode_step_once(case):
+    upstream, flex = case.build("sdpa")
+    counter = CompileCounter()
+    compile_config = CompileConfig(backend=counting_backend(counter), fullgraph=True)
+    compile_config._compile_all_devices = True  # generate compiles on CPU only when asked to
+    graphs = run_stream(case, upstream, flex, counter, compile_config=compile_config)
+    # generate runs the prefill eagerly and compiles the decode step: one graph, traced during the first call
+    assert graphs == [1] * len(COMPILE_STREAM)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_padded_stream_with_compiled_forward_compiles_prefill_and_decode_once(case):
+    upstream, flex = case.build("sdpa")
+    counter = CompileCounter()
+    flex.forward = torch.compile(flex.forward, backend=counter, fullgraph=True)
+    graphs = run_stream(case, upstream, flex, counter)
+    # the first call traces the prefill (the first decoder step for encoder-decoder models) and the decode step
+    assert graphs == [2] * len(COMPILE_STREAM)

@@ -1,0 +1,165 @@
+"""generate(cache_config={"shape_policy": "padded"}) against upstream's DynamicCache: fixed shapes, same outputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import assert_same_generation, generate_both
+from tests.model_cases import MODEL_CASES
+from tests.test_generation import CAPACITY, SHAPE_STREAM
+from transformers_flexcache.padding import PaddingRowsStoppingCriteria
+
+CASE_AND_ATTN = [
+    pytest.param(case, attn, id=f"{case.name}-{attn}") for case in MODEL_CASES for attn in case.attn_implementations
+]
+CASES = [pytest.param(case, id=case.name) for case in MODEL_CASES]
+DECODER_ONLY_CASES = [
+    pytest.param(case, id=case.name) for case in MODEL_CASES if not case.build_config().is_encoder_decoder
+]
+ENCODER_DECODER_CASES = [
+    pytest.param(case, id=case.name) for case in MODEL_CASES if case.build_config().is_encoder_decoder
+]
+
+
+def padded_config(model, **overrides) -> dict:
+    """CAPACITY in padded mode; decoder-only prompts are padded to the longest prompt of SHAPE_STREAM."""
+    config = {**CAPACITY, "shape_policy": "padded", **overrides}
+    if model.config.is_encoder_decoder:
+        return config
+    config.pop("max_encoder_len")
+    return {"max_prompt_len": max(length for _, length, _ in SHAPE_STREAM), **config}
+
+
+@pytest.mark.parametrize(("case", "attn"), CASE_AND_ATTN)
+def test_padded_stream_matches_dynamic_cache_at_full_batch_on_one_storage(case, attn):
+    upstream, flex = case.build(attn)
+    generator = torch.Generator().manual_seed(1)
+    pointers = []
+    for batch_size, length, new_tokens in SHAPE_STREAM:
+        inputs = case.make_inputs(batch_size, length, generator)
+        expected, actual = generate_both(
+            upstream,
+            flex,
+            inputs,
+            cache_config=padded_config(flex),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            **case.generate_kwargs,
+        )
+        assert_same_generation(expected, actual)
+        # the model ran every call at max_batch_size rows: padding rows were added and cut from the outputs
+        assert flex.flexible_cache.batch_size == CAPACITY["max_batch_size"]
+        pointers.append(flex.flexible_cache.data_ptrs())
+    assert all(p == pointers[0] for p in pointers), "the storage was reallocated within capacity"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_padded_beam_search_with_return_sequences_matches_dynamic_cache(case):
+    upstream, flex = case.build()
+    generator = torch.Generator().manual_seed(2)
+    # 9 rows serve 3 inputs of 3 beams: batch 1 gets 2 padding inputs, batch 2 gets 1
+    config = padded_config(flex, max_batch_size=9)
+    for batch_size, length in [(2, 7), (1, 4)]:
+        inputs = case.make_inputs(batch_size, length, generator)
+        expected, actual = generate_both(
+            upstream,
+            flex,
+            inputs,
+            cache_config=config,
+            max_new_tokens=4,
+            do_sample=False,
+            num_beams=3,
+            num_return_sequences=2,
+            **case.generate_kwargs,
+        )
+        assert_same_generation(expected, actual)
+        assert actual.sequences.shape[0] == batch_size * 2
+        assert flex.flexible_cache.batch_size == 9
+
+
+@pytest.mark.parametrize("case", ENCODER_DECODER_CASES)
+def test_padded_encoder_outputs_are_masked_when_the_call_passes_no_attention_mask(case):
+    # Without a mask, upstream models attend to every cross-attention position: padding must come with one.
+    upstream, flex = case.build()
+    inputs = case.make_inputs(2, 5, torch.Generator().manual_seed(3))
+    inputs.pop("attention_mask")
+    expected, actual = generate_both(
+        upstream,
+        flex,
+        inputs,
+        cache_config=padded_config(flex),
+        max_new_tokens=4,
+        do_sample=False,
+        **case.generate_kwargs,
+    )
+    assert_same_generation(expected, actual)
+    assert flex.flexible_cache.get_encoder_length() == CAPACITY["max_encoder_len"]
+
+
+@pytest.mark.parametrize("case", DECODER_ONLY_CASES)
+def test_max_length_counts_from_the_real_prompt_when_the_prompt_is_padded(case):
+    upstream, flex = case.build()
+    inputs = case.make_inputs(2, 5, torch.Generator().manual_seed(4))
+    expected, actual = generate_both(
+        upstream,
+        flex,
+        inputs,
+        cache_config=padded_config(flex),
+        max_length=9,
+        min_length=7,
+        do_sample=False,
+        **case.generate_kwargs,
+    )
+    assert_same_generation(expected, actual)
+    assert actual.sequences.shape[1] == 9
+
+
+@pytest.mark.parametrize("case", DECODER_ONLY_CASES)
+def test_prompt_over_max_prompt_len_with_on_overflow_error_raises_and_the_next_call_is_correct(case):
+    upstream, flex = case.build()
+    generator = torch.Generator().manual_seed(5)
+    config = padded_config(flex, max_prompt_len=6, on_overflow="error")
+    with pytest.raises(
+        ValueError, match=r"prompt_len=8 exceeds max_prompt_len=6; pass cache_config=\{\"max_prompt_len\": 8\}"
+    ):
+        flex.generate(
+            **case.make_inputs(2, 8, generator),
+            cache_implementation="flexible_static",
+            cache_config=config,
+            max_new_tokens=3,
+            **case.generate_kwargs,
+        )
+    expected, actual = generate_both(
+        upstream,
+        flex,
+        case.make_inputs(3, 6, generator),
+        cache_config=config,
+        max_new_tokens=3,
+        do_sample=False,
+        **case.generate_kwargs,
+    )
+    assert_same_generation(expected, actual)
+
+
+@pytest.mark.parametrize(
+    ("num_rows", "expected"),
+    [
+        pytest.param(4, [False, False, True, True], id="greedy-one-row-per-input"),
+        pytest.param(12, [False] * 6 + [True] * 6, id="beam-search-three-rows-per-input"),
+    ],
+)
+def test_padding_rows_are_finished_from_the_first_step(num_rows, expected):
+    criteria = PaddingRowsStoppingCriteria(batch_size=2, padded_batch_size=4)
+    is_done = criteria(torch.zeros(num_rows, 3, dtype=torch.long), scores=None)
+    assert is_done.tolist() == expected
+
+
+def test_unknown_shape_policy_in_cache_config_is_refused():
+    case = MODEL_CASES[0]
+    _, flex = case.build()
+    inputs = case.make_inputs(1, 4, torch.Generator().manual_seed(6))
+    with pytest.raises(ValueError, match=r"shape_policy.*'fixed' is not one of \('exact', 'padded'\)"):
+        flex.generate(
+            **inputs, cache_implementation="flexible_static", cache_config={"shape_policy": "fixed"}, max_new_tokens=2
+        )

@@ -26,25 +26,36 @@ CAPACITY = {"max_batch_size": 4, "max_cache_len": 8, "max_encoder_len": 10}
 NEW_TOKENS = 8  # greedy decoding of 8 tokens uses 8 decoder positions: the whole max_cache_len
 # (batch, encoder or prompt length), large -> small -> large, so stale cache content from a bigger call is present.
 SHAPES = [(4, 10), (1, 3), (3, 7), (2, 10), (4, 1)]
+# ExecuTorch's kernels sum in another order than PyTorch's; measured up to 6e-5 of the logits' scale on these models.
+EXECUTORCH_LOGITS_TOLERANCE = 1e-4
 
 has_executorch = importlib.util.find_spec("executorch") is not None
 needs_executorch = pytest.mark.skipif(not has_executorch, reason='needs pip install ".[executorch]"')
 
 
-def _varied_t5_config():
+def _varied_t5_config(num_layers: int = 2):
     config = _t5_config()
     # With the default init the tiny T5 predicts the pad token at every step; larger weights make varied tokens
-    # while the logits stay small enough (|logit| < 40) for a 1e-5 tolerance in fp32.
+    # while the logits stay moderate (|logit| < 45).
     config.initializer_factor = 3.0
+    config.num_layers = config.num_decoder_layers = num_layers
     return config
 
 
 T5_VARIED = dataclasses.replace(T5, build_config=_varied_t5_config)
+# Lowering to ExecuTorch costs time per graph node: its test uses one layer each side.
+T5_ONE_LAYER = dataclasses.replace(T5, build_config=lambda: _varied_t5_config(num_layers=1))
 
 
 @pytest.fixture(scope="module")
 def t5():
     upstream, flex = T5_VARIED.build(seed=1)
+    return upstream, export_encoder_decoder(flex, **CAPACITY)
+
+
+@pytest.fixture(scope="module")
+def t5_one_layer():
+    upstream, flex = T5_ONE_LAYER.build(seed=1)
     return upstream, export_encoder_decoder(flex, **CAPACITY)
 
 
@@ -64,19 +75,19 @@ def _generate_kwargs(upstream) -> dict:
     }
 
 
-def _assert_close_logits(got: torch.Tensor, want: torch.Tensor, where: str) -> None:
-    """Within `SCORE_ATOL` times the logits' scale (at least 1).
+def _assert_close_logits(got: torch.Tensor, want: torch.Tensor, where: str, *, tolerance: float = SCORE_ATOL) -> None:
+    """Within `tolerance` times the logits' scale (at least 1).
 
     Exported self-attention reads the whole cache row under a mask, as upstream's StaticCache does, so its sums run
     over more (masked) slots than DynamicCache's and round differently: a few fp32 ulps of the largest logit (the
     varied tiny T5's logits reach ~35), which spread to every logit through the layers.
     """
-    tolerance = SCORE_ATOL * max(1.0, want.abs().max().item())
+    limit = tolerance * max(1.0, want.abs().max().item())
     diff = (got - want).abs().max().item()
-    assert diff <= tolerance, f"{where}: logits differ by {diff} > {tolerance}"
+    assert diff <= limit, f"{where}: logits differ by {diff} > {limit}"
 
 
-def _assert_same_greedy(runner, upstream, inputs: dict, where: str) -> None:
+def _assert_same_greedy(runner, upstream, inputs: dict, where: str, *, tolerance: float = SCORE_ATOL) -> None:
     """Greedy tokens equal upstream generate's (DynamicCache), and every step's logits are within tolerance."""
     expected = upstream.generate(
         **inputs, max_new_tokens=NEW_TOKENS, do_sample=False, return_dict_in_generate=True, output_logits=True
@@ -85,10 +96,10 @@ def _assert_same_greedy(runner, upstream, inputs: dict, where: str) -> None:
         runner, **inputs, max_new_tokens=NEW_TOKENS, output_logits=True, **_generate_kwargs(upstream)
     )
     assert torch.equal(tokens, expected.sequences), (where, tokens, expected.sequences)
-    _assert_close_logits(torch.stack(logits), torch.stack(expected.logits), where)
+    _assert_close_logits(torch.stack(logits), torch.stack(expected.logits), where, tolerance=tolerance)
 
 
-def _assert_seq2seq_matches_eager(runner, upstream, shapes, *, seed: int) -> None:
+def _assert_seq2seq_matches_eager(runner, upstream, shapes, *, seed: int, tolerance: float = SCORE_ATOL) -> None:
     """For each shape in turn: greedy decoding as `_assert_same_greedy`, then a decoder prefill of several tokens.
 
     The prefill takes the start token and the first two generated tokens at once; its logits must equal upstream's
@@ -98,14 +109,14 @@ def _assert_seq2seq_matches_eager(runner, upstream, shapes, *, seed: int) -> Non
     for batch_size, encoder_len in shapes:
         where = f"batch={batch_size} encoder_len={encoder_len}"
         inputs = T5_VARIED.make_inputs(batch_size, encoder_len, generator)
-        _assert_same_greedy(runner, upstream, inputs, where)
+        _assert_same_greedy(runner, upstream, inputs, where, tolerance=tolerance)
 
         decoder_input_ids = upstream.generate(**inputs, max_new_tokens=2, do_sample=False)  # [B, 3]
         want = upstream(**inputs, decoder_input_ids=decoder_input_ids).logits
         got = runner.prefill(
             inputs["input_ids"], inputs["attention_mask"], decoder_input_ids, torch.arange(decoder_input_ids.shape[1])
         )
-        _assert_close_logits(got, want, f"{where}, decoder prefill")
+        _assert_close_logits(got, want, f"{where}, decoder prefill", tolerance=tolerance)
 
 
 def test_exported_t5_matches_eager_for_every_shape_with_one_program(t5):
@@ -175,12 +186,13 @@ def test_exported_llama_matches_eager_generate_for_every_shape_with_one_program(
 
 
 @needs_executorch
-def test_executorch_program_generates_eager_tokens_for_every_shape_on_shared_buffers(t5, tmp_path_factory):
-    upstream, programs = t5
-    path = programs.to_executorch(tmp_path_factory.mktemp("pte") / "t5.pte", backend=None)
-    runner = ExecuTorchPrograms(path)
+@pytest.mark.parametrize("backend", [None, pytest.param("xnnpack", marks=pytest.mark.slow)])
+def test_executorch_program_generates_eager_tokens_for_every_shape_on_shared_buffers(t5_one_layer, tmp_path, backend):
+    upstream, programs = t5_one_layer
+    runner = ExecuTorchPrograms(programs.to_executorch(tmp_path / "t5.pte", backend=backend))
     assert runner.capacities == CAPACITY and runner.is_encoder_decoder
-    # prefill writes the cross-attention cache that decode reads: equal tokens prove the buffers are shared and kept.
-    _assert_seq2seq_matches_eager(runner, upstream, SHAPES, seed=5)
+    # decode reads the cross-attention cache that prefill wrote: equal tokens need both methods to share the buffers
+    # and the runtime to keep them between calls.
+    _assert_seq2seq_matches_eager(runner, upstream, SHAPES, seed=5, tolerance=EXECUTORCH_LOGITS_TOLERANCE)
     with pytest.raises(ValueError, match=r"batch_size=5 exceeds max_batch_size=4"):
         runner.prefill(torch.ones(5, 3, dtype=torch.long), torch.ones(5, 3), torch.zeros(5, 1), torch.arange(1))

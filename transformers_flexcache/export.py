@@ -156,6 +156,8 @@ def _check_model(model: nn.Module, *, encoder_decoder: bool) -> None:
             f"{type(model).__name__} is not a transformers_flexcache override model; load it after "
             "transformers_flexcache.register(), or convert it in place with transformers_flexcache.convert(model)"
         )
+    if model.training:
+        raise ValueError(f"{type(model).__name__} is in training mode (dropout would be exported); call model.eval()")
     if bool(model.config.is_encoder_decoder) != encoder_decoder:
         kind = "an encoder-decoder" if model.config.is_encoder_decoder else "a decoder-only"
         fix = "ExportableEncoderDecoder" if model.config.is_encoder_decoder else "ExportableDecoderOnly"
@@ -210,7 +212,7 @@ class ExportableEncoderDecoder(_ExportableBase):
 
     Raises:
         TypeError: `model` is not an encoder-decoder override model.
-        ValueError: a capacity is not a positive int.
+        ValueError: a capacity is not a positive int, or `model` is in training mode.
     """
 
     is_encoder_decoder = True
@@ -298,7 +300,7 @@ class ExportableDecoderOnly(_ExportableBase):
 
     Raises:
         TypeError: `model` is not a decoder-only override model.
-        ValueError: a capacity is not a positive int.
+        ValueError: a capacity is not a positive int, or `model` is in training mode.
     """
 
     is_encoder_decoder = False

@@ -12,6 +12,12 @@ from torch import nn
 from torch.export import ExportedProgram
 
 METHOD_NAMES = ("prefill", "decode")
+INPUT_NAMES = {
+    (True, "prefill"): ("input_ids", "attention_mask", "decoder_input_ids", "cache_position"),
+    (True, "decode"): ("decoder_input_ids", "cache_position", "encoder_attention_mask"),
+    (False, "prefill"): ("input_ids", "attention_mask", "position_ids", "cache_position"),
+    (False, "decode"): ("input_ids", "attention_mask", "position_ids", "cache_position"),
+}
 
 
 class ProgramRunner:
@@ -44,8 +50,6 @@ class ProgramRunner:
         self._fail("batch_size", batch_size, "max_batch_size")
         if encoder_len is not None:
             self._fail("encoder_len", encoder_len, "max_encoder_len")
-        if not isinstance(cache_position, torch.Tensor) or cache_position.dtype != torch.long:
-            raise TypeError("cache_position must be a torch.long tensor, arange(start, start + new tokens)")
         start = int(cache_position[0]) if cache_position.numel() else 0
         if not torch.equal(cache_position, torch.arange(start, start + num_new)):
             raise ValueError(
@@ -69,13 +73,21 @@ class ProgramRunner:
                 f"continue from {next_position}"
             )
 
+    def _inputs(self, method_name: str, inputs: tuple) -> tuple[torch.Tensor, ...]:
+        names = INPUT_NAMES[self.is_encoder_decoder, method_name]
+        if len(inputs) != len(names):
+            raise TypeError(f"{method_name} takes {len(names)} tensors ({', '.join(names)}), got {len(inputs)}")
+        # The programs were traced with int64 inputs; ExecuTorch refuses any other dtype.
+        return tuple(torch.as_tensor(x).long().contiguous() for x in inputs)
+
     def prefill(self, *inputs: torch.Tensor) -> torch.Tensor:
         """Start a sequence (see the module docstring for the inputs of each kind); returns logits `[B, S, V]`.
 
         Raises:
+            TypeError: not the inputs of this program.
             ValueError: a batch, encoder length or position beyond the capacities, or malformed `cache_position`.
         """
-        inputs = tuple(torch.as_tensor(x).long().contiguous() for x in inputs)
+        inputs = self._inputs("prefill", inputs)
         if self.is_encoder_decoder:
             input_ids, attention_mask, decoder_input_ids, cache_position = inputs
             if attention_mask.shape != input_ids.shape or decoder_input_ids.shape[0] != input_ids.shape[0]:
@@ -98,12 +110,18 @@ class ProgramRunner:
         """Continue the sequence that `prefill` started; returns logits `[B, S, V]`.
 
         Raises:
+            TypeError: not the inputs of this program.
             ValueError: as `prefill`, or a batch or encoder length other than the prefill's, or a gap in positions.
         """
-        inputs = tuple(torch.as_tensor(x).long().contiguous() for x in inputs)
+        inputs = self._inputs("decode", inputs)
         if self.is_encoder_decoder:
             decoder_input_ids, cache_position, encoder_attention_mask = inputs
             batch_size, encoder_len = encoder_attention_mask.shape
+            if decoder_input_ids.shape[0] != batch_size:
+                raise ValueError(
+                    f"decoder_input_ids {tuple(decoder_input_ids.shape)} and encoder_attention_mask "
+                    f"{tuple(encoder_attention_mask.shape)} must have the same batch"
+                )
         else:
             decoder_input_ids, attention_mask, _, cache_position = inputs
             self._check_decoder_only_mask(decoder_input_ids, attention_mask)

@@ -1,0 +1,198 @@
+"""Exported programs (torch.export, then ExecuTorch) against upstream's eager model with its DynamicCache.
+
+One export (module fixture) serves every test of a model: the point is that one program, with one set of cache
+buffers, serves every batch and length within its capacities, in any order of calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+import pytest
+import torch
+
+from tests.helpers import SCORE_ATOL
+from tests.model_cases import LLAMA, T5, _t5_config
+from transformers_flexcache.export import (
+    ExecuTorchPrograms,
+    ExportableEncoderDecoder,
+    export_decoder_only,
+    export_encoder_decoder,
+    greedy_generate,
+)
+
+CAPACITY = {"max_batch_size": 4, "max_cache_len": 8, "max_encoder_len": 10}
+NEW_TOKENS = 8  # greedy decoding of 8 tokens uses 8 decoder positions: the whole max_cache_len
+# (batch, encoder or prompt length), large -> small -> large, so stale cache content from a bigger call is present.
+SHAPES = [(4, 10), (1, 3), (3, 7), (2, 10), (4, 1)]
+# ExecuTorch's kernels sum in another order than PyTorch's; measured up to 6e-5 of the logits' scale on these models.
+EXECUTORCH_LOGITS_TOLERANCE = 1e-4
+
+has_executorch = importlib.util.find_spec("executorch") is not None
+needs_executorch = pytest.mark.skipif(not has_executorch, reason='needs pip install ".[executorch]"')
+
+
+def _varied_t5_config(num_layers: int = 2):
+    config = _t5_config()
+    # With the default init the tiny T5 predicts the pad token at every step; larger weights make varied tokens
+    # while the logits stay moderate (|logit| < 45).
+    config.initializer_factor = 3.0
+    config.num_layers = config.num_decoder_layers = num_layers
+    return config
+
+
+T5_VARIED = dataclasses.replace(T5, build_config=_varied_t5_config)
+# Lowering to ExecuTorch costs time per graph node: its test uses one layer each side.
+T5_ONE_LAYER = dataclasses.replace(T5, build_config=lambda: _varied_t5_config(num_layers=1))
+
+
+@pytest.fixture(scope="module")
+def t5():
+    upstream, flex = T5_VARIED.build(seed=1)
+    return upstream, export_encoder_decoder(flex, **CAPACITY)
+
+
+@pytest.fixture(scope="module")
+def t5_one_layer():
+    upstream, flex = T5_ONE_LAYER.build(seed=1)
+    return upstream, export_encoder_decoder(flex, **CAPACITY)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    upstream, flex = LLAMA.build()
+    capacity = {"max_batch_size": CAPACITY["max_batch_size"], "max_cache_len": 10 + NEW_TOKENS}
+    return upstream, export_decoder_only(flex, **capacity)
+
+
+def _generate_kwargs(upstream) -> dict:
+    config = upstream.generation_config
+    return {
+        "decoder_start_token_id": config.decoder_start_token_id,
+        "eos_token_id": config.eos_token_id,
+        "pad_token_id": config.pad_token_id,
+    }
+
+
+def _assert_close_logits(got: torch.Tensor, want: torch.Tensor, where: str, *, tolerance: float = SCORE_ATOL) -> None:
+    """Within `tolerance` times the logits' scale (at least 1).
+
+    Exported self-attention reads the whole cache row under a mask, as upstream's StaticCache does, so its sums run
+    over more (masked) slots than DynamicCache's and round differently: a few fp32 ulps of the largest logit (the
+    varied tiny T5's logits reach ~35), which spread to every logit through the layers.
+    """
+    limit = tolerance * max(1.0, want.abs().max().item())
+    diff = (got - want).abs().max().item()
+    assert diff <= limit, f"{where}: logits differ by {diff} > {limit}"
+
+
+def _assert_same_greedy(runner, upstream, inputs: dict, where: str, *, tolerance: float = SCORE_ATOL) -> None:
+    """Greedy tokens equal upstream generate's (DynamicCache), and every step's logits are within tolerance."""
+    expected = upstream.generate(
+        **inputs, max_new_tokens=NEW_TOKENS, do_sample=False, return_dict_in_generate=True, output_logits=True
+    )
+    tokens, logits = greedy_generate(
+        runner, **inputs, max_new_tokens=NEW_TOKENS, output_logits=True, **_generate_kwargs(upstream)
+    )
+    assert torch.equal(tokens, expected.sequences), (where, tokens, expected.sequences)
+    _assert_close_logits(torch.stack(logits), torch.stack(expected.logits), where, tolerance=tolerance)
+
+
+def _assert_seq2seq_matches_eager(runner, upstream, shapes, *, seed: int, tolerance: float = SCORE_ATOL) -> None:
+    """For each shape in turn: greedy decoding as `_assert_same_greedy`, then a decoder prefill of several tokens.
+
+    The prefill takes the start token and the first two generated tokens at once; its logits must equal upstream's
+    for those three steps.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    for batch_size, encoder_len in shapes:
+        where = f"batch={batch_size} encoder_len={encoder_len}"
+        inputs = T5_VARIED.make_inputs(batch_size, encoder_len, generator)
+        _assert_same_greedy(runner, upstream, inputs, where, tolerance=tolerance)
+
+        decoder_input_ids = upstream.generate(**inputs, max_new_tokens=2, do_sample=False)  # [B, 3]
+        want = upstream(**inputs, decoder_input_ids=decoder_input_ids).logits
+        got = runner.prefill(
+            inputs["input_ids"], inputs["attention_mask"], decoder_input_ids, torch.arange(decoder_input_ids.shape[1])
+        )
+        _assert_close_logits(got, want, f"{where}, decoder prefill", tolerance=tolerance)
+
+
+def test_exported_t5_matches_eager_for_every_shape_with_one_program(t5):
+    upstream, programs = t5
+    pointers = [b.data_ptr() for b in programs.wrapper.buffers()]
+    _assert_seq2seq_matches_eager(programs, upstream, SHAPES, seed=1)
+    assert [b.data_ptr() for b in programs.wrapper.buffers()] == pointers, "a cache buffer was reallocated"
+
+
+def test_exported_t5_logits_keep_the_output_scaling_of_tied_embeddings(t5):
+    upstream, programs = t5
+    assert upstream.config.tie_word_embeddings and upstream.config.scale_decoder_outputs
+    inputs = T5_VARIED.make_inputs(2, 5, torch.Generator().manual_seed(3))
+    decoder_input_ids = torch.zeros(2, 1, dtype=torch.long)
+    want = upstream(**inputs, decoder_input_ids=decoder_input_ids).logits
+    got = programs.prefill(inputs["input_ids"], inputs["attention_mask"], decoder_input_ids, torch.arange(1))
+    _assert_close_logits(got, want, "prefill")
+
+
+@pytest.mark.parametrize(
+    ("batch_size", "encoder_len", "num_decoder", "message"),
+    [
+        pytest.param(5, 4, 1, r"batch_size=5 exceeds max_batch_size=4 .* max_batch_size=5 or more", id="batch"),
+        pytest.param(
+            2, 11, 1, r"encoder_len=11 exceeds max_encoder_len=10 .* max_encoder_len=11 or more", id="encoder"
+        ),
+        pytest.param(2, 4, 9, r"decoder_len=9 exceeds max_cache_len=8 .* max_cache_len=9 or more", id="decoder"),
+    ],
+)
+def test_exported_program_refuses_inputs_over_capacity_with_value_limit_and_fix(
+    t5, batch_size, encoder_len, num_decoder, message
+):
+    _, programs = t5
+    input_ids = torch.full((batch_size, encoder_len), 5)
+    decoder_input_ids = torch.zeros(batch_size, num_decoder, dtype=torch.long)
+    with pytest.raises(ValueError, match=message):
+        programs.prefill(input_ids, torch.ones_like(input_ids), decoder_input_ids, torch.arange(num_decoder))
+
+
+def test_greedy_generate_refuses_more_new_tokens_than_cache_positions(t5):
+    _, programs = t5
+    input_ids = torch.full((1, 4), 5)
+    with pytest.raises(ValueError, match=r"max_new_tokens=9 .* needs max_cache_len=9"):
+        greedy_generate(programs, input_ids, max_new_tokens=9, decoder_start_token_id=0)
+
+
+def test_decode_refuses_a_batch_other_than_the_prefill_batch(t5):
+    _, programs = t5
+    input_ids = torch.full((2, 4), 5)
+    programs.prefill(input_ids, torch.ones_like(input_ids), torch.zeros(2, 1, dtype=torch.long), torch.arange(1))
+    with pytest.raises(ValueError, match=r"decode got batch 3 .* prefill started batch 2"):
+        programs.decode(torch.zeros(3, 1, dtype=torch.long), torch.tensor([1]), torch.ones(3, 4, dtype=torch.long))
+
+
+def test_exportable_wrapper_refuses_an_upstream_model_with_the_fix():
+    upstream, _ = T5.build()
+    with pytest.raises(TypeError, match=r"transformers_flexcache.convert\(model\)"):
+        ExportableEncoderDecoder(upstream, **CAPACITY)
+
+
+def test_exported_llama_matches_eager_generate_for_every_shape_with_one_program(llama):
+    upstream, programs = llama
+    generator = torch.Generator().manual_seed(4)
+    for batch_size, prompt_len in SHAPES:
+        inputs = LLAMA.make_inputs(batch_size, prompt_len, generator)
+        _assert_same_greedy(programs, upstream, inputs, f"batch={batch_size} prompt_len={prompt_len}")
+
+
+@needs_executorch
+@pytest.mark.parametrize("backend", [None, pytest.param("xnnpack", marks=pytest.mark.slow)])
+def test_executorch_program_generates_eager_tokens_for_every_shape_on_shared_buffers(t5_one_layer, tmp_path, backend):
+    upstream, programs = t5_one_layer
+    runner = ExecuTorchPrograms(programs.to_executorch(tmp_path / "t5.pte", backend=backend))
+    assert runner.capacities == CAPACITY and runner.is_encoder_decoder
+    # decode reads the cross-attention cache that prefill wrote: equal tokens need both methods to share the buffers
+    # and the runtime to keep them between calls.
+    _assert_seq2seq_matches_eager(runner, upstream, SHAPES, seed=5, tolerance=EXECUTORCH_LOGITS_TOLERANCE)
+    with pytest.raises(ValueError, match=r"batch_size=5 exceeds max_batch_size=4"):
+        runner.prefill(torch.ones(5, 3, dtype=torch.long), torch.ones(5, 3), torch.zeros(5, 1), torch.arange(1))

@@ -16,6 +16,13 @@ Upstream (transformers==5.24.0) needs two changes to run on a flexible cache:
 from each layer's `.keys/.values`, which the flexible cache exposes as views of the live batch and length, so the
 returned cache reports the lengths actually written (a copy, not the shared flexible cache).
 
+With `cache_config={"shape_policy": "padded"}` (fixed shapes for `torch.compile`), two things are Whisper's own:
+- Whisper's generate calls upstream's once per 30-second segment and per temperature fallback, on the rows still
+  running, so the padding happens around each of those calls, not around Whisper's generate
+  (`FlexCacheInnerGenerateMixin`, last among the bases).
+- Encoder outputs are padded with the mask this decoder reads, `encoder_attention_mask`
+  (`_flex_encoder_mask_key`); Whisper's `attention_mask` masks log-mel frames, not encoder positions.
+
 Shapes: B batch, S new decoder tokens, L_enc encoder length (live), d d_model.
 """
 
@@ -39,6 +46,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from transformers_flexcache.cache import FlexibleEncoderDecoderCache
+from transformers_flexcache.generation import FlexCacheInnerGenerateMixin
 from transformers_flexcache.modeling import FlexModelMixin
 
 
@@ -214,15 +222,20 @@ class FlexWhisperDecoder(WhisperDecoder):
         return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden_states, cache=cache)
 
 
-class FlexWhisperForConditionalGeneration(FlexModelMixin, WhisperForConditionalGeneration):
+class FlexWhisperForConditionalGeneration(
+    FlexModelMixin, WhisperForConditionalGeneration, FlexCacheInnerGenerateMixin
+):
     """`WhisperForConditionalGeneration` with cross-attention through `get_kv`, an optional cross-attention mask, and
     `flexible_static` in generate.
 
     `encoder_attention_mask` (`[B, L_enc]`) given to `forward` or `generate` reaches the decoder through upstream's
-    `**kwargs`.
+    `**kwargs`. `FlexCacheInnerGenerateMixin` pads each call that Whisper's generate makes to upstream's generate in
+    `shape_policy="padded"`.
     """
 
     _flex_module_classes = {WhisperAttention: FlexWhisperAttention, WhisperDecoder: FlexWhisperDecoder}
+    # Padded mode pads the mask that `FlexWhisperDecoder` reads; `attention_mask` masks log-mel frames.
+    _flex_encoder_mask_key = "encoder_attention_mask"
 
     def _validate_model_kwargs(self, model_kwargs: dict) -> None:
         """Upstream's check, except that `encoder_attention_mask` is accepted: it reaches `FlexWhisperDecoder` through

@@ -34,6 +34,7 @@ from model_overrides.llama import FlexLlamaForCausalLM
 from model_overrides.pix2struct import FlexPix2StructForConditionalGeneration
 from model_overrides.t5 import FlexT5ForConditionalGeneration
 from model_overrides.whisper import FlexWhisperForConditionalGeneration
+from tests.helpers import SCORE_ATOL
 
 VOCAB = 99
 
@@ -59,6 +60,10 @@ class ModelCase:
     # Why this model cannot compile a padded generate stream into one decode graph, with what was measured; the
     # compile tests then expect it to fail (strict xfail) instead of passing. Empty: it must reach one graph.
     compile_opt_out: str = ""
+    # Score tolerance of the padded-mode tests, which run every call at max_batch_size rows. Float sums depend on the
+    # batch (matmul kernels block by rows), so a model whose own DynamicCache scores move with the batch needs more
+    # than SCORE_ATOL; set it to what upstream itself was measured to move.
+    padded_score_atol: float = SCORE_ATOL
 
     def build(self, attn_implementation: str = "eager", seed: int = 0):
         """(upstream model, override model) with identical seeded weights, in eval mode."""
@@ -297,6 +302,10 @@ WHISPER = ModelCase(
     # Log-mel features, not encoder outputs: upstream's Whisper generate cannot expand `encoder_outputs` for
     # num_return_sequences (it repeats `input_features`, which is then None).
     decoding_input_len=WHISPER_MAX_SOURCE_POSITIONS,
+    # Upstream's DynamicCache alone moves this model's scores (up to ~12 in size, init_std 0.5) by up to 7.6e-5
+    # when the same input runs in a batch of 4 instead of 2 (2.1e-5 for 4 instead of 1); without the cross mask that
+    # padded mode adds, scores are off by 9.3 with other tokens.
+    padded_score_atol=1e-4,
 )
 
 BART = ModelCase(

@@ -355,6 +355,8 @@ def test_only_the_padded_policy_is_compileable(shape_policy, compileable):
     )
     assert encoder_decoder.is_compileable is compileable
     assert encoder_decoder.shape_policy == shape_policy
+    # a hybrid model's Mamba layers too: upstream keeps SDPA's decode mask only for compileable caches
+    assert _hybrid_cache(shape_policy=shape_policy).is_compileable is compileable
 
 
 def test_padded_beam_reorder_permutes_rows_like_dynamic_cache_and_keeps_the_address():

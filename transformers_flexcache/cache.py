@@ -34,7 +34,8 @@ Design decisions:
   allocated once at construction, with shapes read from the config as the model reads them (see
   `_linear_attention_shapes`). `get_conv_state`/`get_recurrent_state` hand out views `[:B]`: the model updates them
   in place while decoding, so its writes land in the storage. `reset` only clears `has_previous_state`: the next
-  prefill overwrites rows `[:B]` whole before anything reads them.
+  prefill overwrites rows `[:B]` whole before anything reads them. In padded mode they are compileable
+  (`FlexiblePaddedLinearAttentionLayer`): every call has the same batch, and the states no length axis.
 """
 
 from __future__ import annotations
@@ -474,6 +475,34 @@ class FlexibleLinearAttentionLayer(LinearAttentionCacheLayerMixin):
         self.max_batch_size = max_batch_size
 
 
+class FlexiblePaddedLinearAttentionLayer(FlexibleLinearAttentionLayer):
+    """The fixed-shape ("padded") mode of `FlexibleLinearAttentionLayer`, for `torch.compile` and CUDA graphs.
+
+    Its states have no length axis, and in padded mode `generate` runs every call at the same batch, so the live
+    batch (a Python int) is the same at every step of every call and a compiled decode step guards on a constant, as
+    upstream's `LinearAttentionLayer` (compileable, static addresses) does. Being compileable also matters in eager:
+    upstream drops a decode step's causal mask under SDPA unless the cache is compileable (`create_causal_mask`,
+    transformers==5.24.0), and the padded attention layers of a hybrid model need that mask to hide the positions not
+    written yet.
+    """
+
+    is_compileable = True
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.mark_static_address()
+
+    def mark_static_address(self) -> None:
+        """Mark the conv and recurrent storage as static addresses (a no-op while dynamo traces)."""
+        if not torch.compiler.is_compiling():
+            torch._dynamo.mark_static_address(self._conv_storage)
+            torch._dynamo.mark_static_address(self._recurrent_storage)
+
+    def grow(self, *, max_batch_size: int, max_cache_len: int | None = None) -> None:
+        super().grow(max_batch_size=max_batch_size, max_cache_len=max_cache_len)
+        self.mark_static_address()
+
+
 # Layer types that FlexibleStaticCache holds: attention keys/values, or linear-attention (Mamba) conv/recurrent states.
 SUPPORTED_LAYER_TYPES = ("full_attention", "linear_attention")
 
@@ -552,7 +581,10 @@ def _build_layer(
 ) -> FlexibleStaticLayer | FlexibleLinearAttentionLayer:
     if layer_type == "linear_attention":
         conv_shape, recurrent_shape = _linear_attention_shapes(config)
-        return FlexibleLinearAttentionLayer(
+        linear_layer_class = (
+            FlexiblePaddedLinearAttentionLayer if shape_policy == "padded" else FlexibleLinearAttentionLayer
+        )
+        return linear_layer_class(
             max_batch_size=max_batch_size,
             conv_shape=conv_shape,
             recurrent_shape=recurrent_shape,

@@ -15,7 +15,9 @@ Design decisions:
   `max_batch_size`, decoder-only prompts to `max_prompt_len` and encoder outputs to `max_encoder_len` (see
   `padding.py`), and the cache attends over its whole capacity (see `FlexiblePaddedLayer`). Capacities not given are
   taken from the first call, as in the exact mode; the prompt length padded to is held on the model
-  (`_flex_max_prompt_len`) and grows like a capacity.
+  (`_flex_max_prompt_len`) and grows like a capacity. A model whose own `generate` calls upstream's on batches of
+  its own (Whisper: one call per segment and per fallback) has each of those calls padded instead
+  (`FlexCacheInnerGenerateMixin`).
 """
 
 from __future__ import annotations
@@ -237,6 +239,9 @@ class FlexCacheGenerationMixin:
     and cuts the outputs back (see `padding.py`).
     """
 
+    # The model input that masks encoder positions in cross-attention, padded with the encoder outputs.
+    _flex_encoder_mask_key = "attention_mask"
+
     def __init__(self, *args, **kwargs):
         accept_cache_implementation_name()
         super().__init__(*args, **kwargs)
@@ -249,7 +254,14 @@ class FlexCacheGenerationMixin:
 
     def generate(self, *args, **kwargs):
         accept_cache_implementation_name()
-        upstream_generate = super().generate
+        if isinstance(self, FlexCacheInnerGenerateMixin):
+            # The model's own generate (Whisper's) runs at the call's batch; the calls it makes to upstream's
+            # `GenerationMixin.generate` are padded one by one (see FlexCacheInnerGenerateMixin).
+            return super().generate(*args, **kwargs)
+        return self._flex_generate(super().generate, args, kwargs)
+
+    def _flex_generate(self, upstream_generate, args: tuple, kwargs: dict):
+        """`upstream_generate(*args, **kwargs)`, padded to fixed shapes and cut back when `shape_policy="padded"`."""
         signature = inspect.signature(upstream_generate)
         arguments = signature.bind(*args, **kwargs).arguments
         var_keyword = next(p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD)
@@ -261,6 +273,8 @@ class FlexCacheGenerationMixin:
             return upstream_generate(*args, **kwargs)
         main_param = next(iter(signature.parameters))  # `inputs` (GenerationMixin) or e.g. `input_features`
         call = self._pad_generate_call(resolved, arguments, extra, model_kwargs, main_param=main_param)
+        if "stopping_criteria" in signature.parameters:
+            arguments["stopping_criteria"] = call.stopping_criteria(arguments.get("stopping_criteria"))
         output = upstream_generate(**arguments, **extra)
         if not self.config.is_encoder_decoder:
             setattr(self, _PROMPT_LEN_ATTR, call.padded_prompt_len)  # grow-only: at least the held length
@@ -298,7 +312,10 @@ class FlexCacheGenerationMixin:
         )
 
         model_inputs = {key: extra[key] for key in model_kwargs if key in extra}
-        model_inputs[input_name] = inputs_tensor
+        # Without a main input, upstream makes placeholders from `encoder_outputs` (-100s of shape [B, L_enc]) only to
+        # count the batch; passed on, they would reach e.g. Whisper's generate as `input_features`.
+        if inputs is not None or extra.get(input_name) is not None or "encoder_outputs" not in model_inputs:
+            model_inputs[input_name] = inputs_tensor
         model_inputs = {
             key: pad_rows(value, batch_size, call.padded_batch_size) for key, value in model_inputs.items()
         }
@@ -315,8 +332,6 @@ class FlexCacheGenerationMixin:
             given = (extra, arguments.get("generation_config"), self.generation_config)
             extra.update(lengths_as_new_tokens(resolved, given, prompt_len=prompt_len))
         extra.update(model_inputs)
-        if "stopping_criteria" in inspect.signature(super().generate).parameters:
-            arguments["stopping_criteria"] = call.stopping_criteria(arguments.get("stopping_criteria"))
         return call
 
     def _prompt_padding(self, settings: dict, prompt_len: int) -> int:
@@ -360,7 +375,7 @@ class FlexCacheGenerationMixin:
         max_encoder_len = max(
             settings.get("max_encoder_len") or 0, held.max_encoder_len if held is not None else 0, encoder_len
         )
-        pad_encoder_outputs(model_kwargs, max_encoder_len)
+        pad_encoder_outputs(model_kwargs, max_encoder_len, mask_key=self._flex_encoder_mask_key)
 
     @property
     def flexible_cache(self):
@@ -403,6 +418,22 @@ class FlexCacheGenerationMixin:
         model_kwargs["cache"] = get_flexible_cache(self, need=need, cache_config=generation_config.cache_config)
         if generation_config.is_assistant:
             model_kwargs["cache"].activate_past_recording()
+
+
+class FlexCacheInnerGenerateMixin(GenerationMixin):
+    """For models whose own `generate` calls upstream's `GenerationMixin.generate` on batches of its own (Whisper's
+    runs one call per 30-second segment and per temperature fallback, on the rows still running).
+
+    Padding around such a `generate` would pad the wrong batch: its inner calls see the batch shrink as rows finish,
+    and padding rows would stop real ones. Put this class last among the override's bases:
+    `class FlexWhisperForConditionalGeneration(FlexModelMixin, WhisperForConditionalGeneration,
+    FlexCacheInnerGenerateMixin)`. Python's method resolution order then places it right before `GenerationMixin`, so
+    the model's `super().generate(...)` reaches this `generate`, which pads that call (as `FlexCacheGenerationMixin`
+    pads a whole call) and cuts its outputs back before the model's own post-processing reads them.
+    """
+
+    def generate(self, *args, **kwargs):
+        return self._flex_generate(super().generate, args, kwargs)
 
 
 def is_flexible_cache(cache) -> bool:

@@ -7,7 +7,8 @@ num_return_sequences)`), `P` prompt length, `P_pad` = `max_prompt_len`, `L_enc` 
 Design decisions:
 - Padding happens around upstream's `generate`, not inside the model: everything upstream does (special tokens,
   beam expansion, logits processors, the cache, masks) then sees one batch and one prompt length, and a compiled
-  forward sees the same shapes on every call. The model code is not touched.
+  forward sees the same shapes on every call. The model code is not touched. (Whisper's generate calls upstream's
+  once per segment and fallback: each of those calls is padded, see `FlexCacheInnerGenerateMixin`.)
 - Padding rows repeat the call's first input (finite values, a real mask: no row is fully masked, nothing can turn
   into NaN), and a stopping criterion marks them finished from the first step, so they never keep generation going:
   `generate` stops when the real rows stop, exactly as for the unpadded call. Rows never mix in attention, so the
@@ -18,7 +19,8 @@ Design decisions:
 - Encoder outputs and their mask are right-padded to `max_encoder_len` with mask zeros (in
   `FlexCacheGenerationMixin._prepare_cache_for_generation`, after the encoder ran at the call's own length), and a
   mask of ones is made when the call has none: a padded cross-attention cache without a mask would attend to the
-  padding, which is the silent error upstream has with long caches.
+  padding, which is the silent error upstream has with long caches. The mask is the model input that the model's
+  decoder reads for cross-attention (`attention_mask`; Whisper's `encoder_attention_mask`).
 - Outputs are cut back: every batch-major tensor to its real rows, `sequences` also to the real prompt's columns.
   Attention weights and hidden states keep the padded lengths, and the returned cache holds the padded rows.
 """
@@ -134,17 +136,19 @@ def lengths_as_new_tokens(resolved, given: tuple, *, prompt_len: int) -> dict:
     return lengths
 
 
-def pad_encoder_outputs(model_kwargs: dict, max_encoder_len: int) -> None:
-    """Right-pad `encoder_outputs` and the encoder `attention_mask` in `model_kwargs` to `max_encoder_len`, in place.
+def pad_encoder_outputs(model_kwargs: dict, max_encoder_len: int, *, mask_key: str = "attention_mask") -> None:
+    """Right-pad `encoder_outputs` and the encoder mask in `model_kwargs` to `max_encoder_len`, in place.
 
-    The mask is always set (ones where the call has none), so that the padding is never attended to and every call
-    passes the same inputs to a compiled decoder. `encoder_outputs` is replaced by a copy: the caller's is untouched.
+    The mask (`model_kwargs[mask_key]`: `attention_mask` for most models; Whisper's decoder reads
+    `encoder_attention_mask`, its `attention_mask` being the log-mel frames') is always set, ones where the call has
+    none, so that the padding is never attended to and every call passes the same inputs to a compiled decoder.
+    `encoder_outputs` is replaced by a copy: the caller's is untouched.
     """
-    # encoder_outputs[0]: [N, L_enc, d] -> [N, L_enc_max, d]; attention_mask: [N, L_enc] -> [N, L_enc_max]
+    # encoder_outputs[0]: [N, L_enc, d] -> [N, L_enc_max, d]; model_kwargs[mask_key]: [N, L_enc] -> [N, L_enc_max]
     encoder_outputs = model_kwargs["encoder_outputs"]
     hidden = encoder_outputs[0]
     num_pad = max_encoder_len - hidden.shape[1]
-    mask = model_kwargs.get("attention_mask")
+    mask = model_kwargs.get(mask_key)
     if mask is None:
         mask = torch.ones(hidden.shape[:2], dtype=torch.long, device=hidden.device)
     if num_pad > 0:
@@ -156,7 +160,7 @@ def pad_encoder_outputs(model_kwargs: dict, max_encoder_len: int) -> None:
     else:
         encoder_outputs = (hidden, *encoder_outputs[1:])
     model_kwargs["encoder_outputs"] = encoder_outputs
-    model_kwargs["attention_mask"] = mask
+    model_kwargs[mask_key] = mask
 
 
 @dataclass

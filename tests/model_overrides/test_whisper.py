@@ -250,3 +250,43 @@ def test_register_and_convert_give_the_whisper_override():
     assert type(converted.model.decoder) is FlexWhisperDecoder
     assert type(converted.model.decoder.layers[0].encoder_attn) is FlexWhisperAttention
     assert set(converted.state_dict()) == keys
+
+
+def _timestamp_models():
+    """Upstream and override Whisper whose generation config allows timestamps, which long-form generation needs."""
+    upstream, flex = WHISPER.build()
+    for model in (upstream, flex):
+        model.generation_config.no_timestamps_token_id = 60  # ids above it are timestamps in the tiny vocabulary
+        model.generation_config.max_initial_timestamp_index = 5
+    return upstream, flex
+
+
+@pytest.mark.parametrize(
+    "fallback",
+    [
+        pytest.param({}, id="no-fallback"),
+        # rows whose average log-probability is below the threshold are generated again, a subset of the batch
+        pytest.param({"temperature": (0.0, 0.0, 0.0), "logprob_threshold": -0.9}, id="greedy-fallback"),
+    ],
+)
+def test_padded_long_form_generation_matches_dynamic_cache_as_rows_finish_at_different_segments(fallback):
+    # Whisper's generate calls upstream's once per 30-second segment (here 24 frames), on the rows still running:
+    # each of those calls is padded to max_batch_size, not the whole call, so rows finishing early stop nothing else.
+    upstream, flex = _timestamp_models()
+    generator = torch.Generator().manual_seed(8)
+    features = torch.randn(3, WHISPER_NUM_MEL_BINS, 60, generator=generator)  # 2.5 segments
+    attention_mask = torch.ones(3, 60, dtype=torch.long)
+    attention_mask[0, 30:] = 0  # row 0 ends within the second segment, rows 1 and 2 run a third
+    common = {"max_new_tokens": 5, "do_sample": False, "return_timestamps": True, **fallback}
+    expected = upstream.generate(input_features=features, attention_mask=attention_mask, **common)
+    config = {"shape_policy": "padded", "max_batch_size": 4, "max_cache_len": 20, "max_encoder_len": MAX_ENCODER_LEN}
+    actual = flex.generate(
+        input_features=features,
+        attention_mask=attention_mask,
+        cache_implementation="flexible_static",
+        cache_config=config,
+        **common,
+    )
+    assert torch.equal(actual, expected), (actual, expected)
+    # the last segment ran 2 rows (or fewer, after a fallback) on all 4 rows of the cache
+    assert flex.flexible_cache.batch_size == 4

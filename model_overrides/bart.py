@@ -30,6 +30,12 @@ from transformers_flexcache.modeling import FlexModelMixin
 
 
 class FlexBartAttention(BartAttention):
+    def _flex_project_kv(self, key_value_states):
+        # key_value_states: [B, L_enc, d_model] -> 2 x [B, H, L_enc, D], as upstream projects them
+        kv_shape = (*key_value_states.shape[:-1], -1, self.head_dim)
+        key_states = self.k_proj(key_value_states).view(kv_shape).transpose(1, 2)
+        return key_states, self.v_proj(key_value_states).view(kv_shape).transpose(1, 2)
+
     def forward(self, hidden_states, key_value_states=None, cache=None, attention_mask=None, **kwargs):
         """Derived from `transformers.models.bart.modeling_bart.BartAttention.forward` (transformers==5.24.0).
 
@@ -42,18 +48,10 @@ class FlexBartAttention(BartAttention):
             return super().forward(hidden_states, key_value_states, cache, attention_mask, **kwargs)
 
         input_shape = hidden_states.shape[:-1]
-        batch_size = input_shape[0]
         query_states = self.q_proj(hidden_states).view(*input_shape, -1, self.head_dim).transpose(1, 2)
 
-        # flexcache: the encoder length this call wrote replaces `is_updated` and `.layers[i].keys/.values`
-        encoder_len = cache.get_encoder_length(self.layer_idx)
-        if encoder_len > 0:
-            key_states, value_states = cache.cross_attention_cache.get_kv(self.layer_idx, batch_size, encoder_len)
-        else:
-            kv_shape = (*key_value_states.shape[:-1], -1, self.head_dim)
-            key_states = self.k_proj(key_value_states).view(kv_shape).transpose(1, 2)
-            value_states = self.v_proj(key_value_states).view(kv_shape).transpose(1, 2)
-            key_states, value_states = cache.cross_attention_cache.update(key_states, value_states, self.layer_idx)
+        # flexcache: projected once per call through the cache's accessors, instead of `is_updated` and `.layers[i].keys`
+        key_states, value_states = cache.cross_attention_kv(self.layer_idx, key_value_states, self._flex_project_kv)
 
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward

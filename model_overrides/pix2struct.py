@@ -40,6 +40,12 @@ from transformers_flexcache.modeling import FlexModelMixin
 
 
 class FlexPix2StructTextAttention(Pix2StructTextAttention):
+    def _flex_project_kv(self, key_value_states):
+        # key_value_states: [B, L_enc, hidden] -> 2 x [B, H, L_enc, D], as upstream projects them
+        kv_shape = (*key_value_states.shape[:-1], -1, self.key_value_proj_dim)
+        key_states = self.key(key_value_states).view(kv_shape).transpose(1, 2)
+        return key_states, self.value(key_value_states).view(kv_shape).transpose(1, 2)
+
     def forward(self, hidden_states, mask=None, key_value_states=None, position_bias=None, cache=None, **kwargs):
         """Derived from `transformers.models.pix2struct.modeling_pix2struct.Pix2StructTextAttention.forward`
         (transformers==5.24.0).
@@ -54,18 +60,10 @@ class FlexPix2StructTextAttention(Pix2StructTextAttention):
             return super().forward(hidden_states, mask, key_value_states, position_bias, cache, **kwargs)
 
         input_shape = hidden_states.shape[:-1]
-        batch_size = input_shape[0]
         query_states = self.query(hidden_states).view(*input_shape, -1, self.key_value_proj_dim).transpose(1, 2)
 
-        # flexcache: the encoder length this call wrote replaces `is_updated` and `.layers[i].keys/.values`
-        encoder_len = cache.get_encoder_length(self.layer_idx)
-        if encoder_len > 0:
-            key_states, value_states = cache.cross_attention_cache.get_kv(self.layer_idx, batch_size, encoder_len)
-        else:
-            kv_shape = (*key_value_states.shape[:-1], -1, self.key_value_proj_dim)
-            key_states = self.key(key_value_states).view(kv_shape).transpose(1, 2)
-            value_states = self.value(key_value_states).view(kv_shape).transpose(1, 2)
-            key_states, value_states = cache.cross_attention_cache.update(key_states, value_states, self.layer_idx)
+        # flexcache: projected once per call through the cache's accessors, instead of `is_updated` and `.layers[i].keys`
+        key_states, value_states = cache.cross_attention_kv(self.layer_idx, key_value_states, self._flex_project_kv)
 
         if position_bias is None:
             # Cross-attention layers have no relative attention bias: upstream adds zeros of this shape.

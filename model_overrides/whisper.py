@@ -51,6 +51,12 @@ from transformers_flexcache.modeling import FlexModelMixin
 
 
 class FlexWhisperAttention(WhisperAttention):
+    def _flex_project_kv(self, key_value_states):
+        # key_value_states: [B, L_enc, d_model] -> 2 x [B, H, L_enc, D], as upstream projects them
+        kv_shape = (key_value_states.shape[0], -1, self.num_heads, self.head_dim)
+        key_states = self.k_proj(key_value_states).view(kv_shape).transpose(1, 2).contiguous()
+        return key_states, self.v_proj(key_value_states).view(kv_shape).transpose(1, 2).contiguous()
+
     def forward(
         self, hidden_states, key_value_states=None, cache=None, attention_mask=None, output_attentions=False, **kwargs
     ):
@@ -72,20 +78,12 @@ class FlexWhisperAttention(WhisperAttention):
             )
 
         input_shape = hidden_states.shape[:-1]
-        batch_size = input_shape[0]
         hidden_shape = (*input_shape, -1, self.head_dim)
         # Upstream scales the query before the product (and passes scaling=1.0 below) to match the original model.
         query_states = (self.q_proj(hidden_states) * self.scaling).view(hidden_shape).transpose(1, 2).contiguous()
 
-        # flexcache: the encoder length this call wrote replaces `is_updated` and `.layers[i].keys/.values`
-        encoder_len = cache.get_encoder_length(self.layer_idx)
-        if encoder_len > 0:
-            key_states, value_states = cache.cross_attention_cache.get_kv(self.layer_idx, batch_size, encoder_len)
-        else:
-            kv_shape = (batch_size, -1, self.num_heads, self.head_dim)
-            key_states = self.k_proj(key_value_states).view(kv_shape).transpose(1, 2).contiguous()
-            value_states = self.v_proj(key_value_states).view(kv_shape).transpose(1, 2).contiguous()
-            key_states, value_states = cache.cross_attention_cache.update(key_states, value_states, self.layer_idx)
+        # flexcache: projected once per call through the cache's accessors, instead of `is_updated` and `.layers[i].keys`
+        key_states, value_states = cache.cross_attention_kv(self.layer_idx, key_value_states, self._flex_project_kv)
 
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward

@@ -1070,6 +1070,29 @@ class FlexibleEncoderDecoderCache(EncoderDecoderCache):
         """Encoder positions that the current call wrote into cross-attention layer `layer_idx` (0 before)."""
         return self.cross_attention_cache.get_seq_length(layer_idx)
 
+    def cross_attention_kv(self, layer_idx: int, key_value_states: torch.Tensor, project) -> tuple[torch.Tensor, ...]:
+        """Cross-attention keys and values of layer `layer_idx` for the current call, projected once per call.
+
+        The call's first decoder step projects `key_value_states` with `project` and writes the result with
+        `cross_attention_cache.update`; later steps read it back with `cross_attention_cache.get_kv` for the live
+        batch and the encoder length written, without projecting again. This is what upstream does with `is_updated`
+        and `.layers[i].keys`, through the public accessors.
+
+        Args:
+            layer_idx (`int`): decoder layer.
+            key_value_states (`torch.Tensor`): `[B, L_enc, d_model]` encoder output of the call.
+            project (`Callable`): maps `key_value_states` to `(key_states, value_states)`, each `[B, H, L_enc, D]`.
+
+        Returns:
+            `tuple[torch.Tensor, torch.Tensor]`: views `[B, H, L_enc, D]` into the cross-attention storage.
+        """
+        # key_value_states: [B, L_enc, d_model] -> 2 x [B, H, L_enc, D]
+        encoder_len = self.get_encoder_length(layer_idx)
+        if encoder_len > 0:
+            return self.cross_attention_cache.get_kv(layer_idx, key_value_states.shape[0], encoder_len)
+        key_states, value_states = project(key_value_states)
+        return self.cross_attention_cache.update(key_states, value_states, layer_idx)
+
     def overflows(self, *, batch_size: int, length: int, encoder_length: int) -> list[Overflow]:
         found = self.self_attention_cache.overflows(batch_size=batch_size, length=length)
         found += [

@@ -9,9 +9,12 @@ Shape legend:
     V        vocabulary
 
 Programs, `prefill` and `decode` (two `torch.export.ExportedProgram`s, or two methods of one ExecuTorch `.pte`):
-    encoder-decoder  `prefill(input_ids [B, L_enc], attention_mask [B, L_enc], decoder_input_ids [B, S],
+    encoder-decoder  `prefill(encoder input, attention_mask [B, L_enc], decoder_input_ids [B, S],
                      cache_position [S]) -> logits [B, S, V]` runs the encoder, writes its output and the
-                     cross-attention keys/values of rows [:B], then the first decoder tokens.
+                     cross-attention keys/values of rows [:B], then the first decoder tokens. The encoder input
+                     (`encoder_input=` at export) is `input_ids [B, L_enc]` (T5, BART), `input_features
+                     [B, num_mel_bins, 2 * L_enc]` (Whisper; `L_enc` fixed at `max_source_positions`) or
+                     `encoder_hidden_states [B, L_enc, d_model]` (any model: the encoder is not in the program).
                      `decode(decoder_input_ids [B, S], cache_position [S], encoder_attention_mask [B, L_enc])
                      -> logits [B, S, V]` runs the next decoder tokens, reading the cross-attention keys/values that
                      `prefill` wrote (they are never recomputed).
@@ -26,7 +29,7 @@ Design decisions:
   reads, and everything persists between calls.
 - Each call builds a `FlexibleEncoderDecoderCache` (or `FlexibleStaticCache`) over views of those buffers and runs
   the model's own forward. So the model's own code (our override's `update` / `get_kv` path) writes and reads the
-  cache, and logits come from the model's own head: T5's `d_model**-0.5` scaling of tied embeddings is kept.
+  cache, and logits come from the model's own head: T5's `d_model**-0.5` output scaling is kept.
 - Batch, encoder length and new decoder tokens are dynamic dimensions (`torch.export.Dim` bounded by the
   capacities). Cross-attention views are exact, `[:B, :, :L_enc]`, `L_enc` being read from the shape of the encoder
   attention mask, so the cross-attention mask covers exactly the call's encoder positions. The one spare encoder
@@ -38,6 +41,10 @@ Design decisions:
   `prefill` again from position 0: there is no reset program. `prefill` zeroes the call's rows of the
   self-attention buffers first, because ExecuTorch does not initialize mutable buffers and a masked slot must still
   hold a finite value (a NaN there would survive the mask).
+- What differs between encoder-decoder models is confined to the wrapper's encoder entry: which keyword feeds the
+  encoder, and which one masks cross-attention (`attention_mask` for T5 and BART; `encoder_attention_mask` for
+  Whisper, whose encoder takes no mask and whose override adds the decoder's cross mask). Everything else (buffers,
+  cache views, decode) is shared.
 - Capacities and inputs are checked in Python by the runners (`ExportedPrograms`, `ExecuTorchPrograms`) before a
   program runs: a `ValueError` names the value, the limit and the fix, instead of a kernel error or an
   out-of-bounds write.

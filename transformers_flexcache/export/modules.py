@@ -18,7 +18,7 @@ from .cache_views import (
     PositionedCache,
     PositionedLayer,
 )
-from .runners import ExportedPrograms
+from .runners import ENCODER_INPUTS, ExportedPrograms
 
 
 def _check_model(model: nn.Module, *, encoder_decoder: bool) -> None:
@@ -33,6 +33,30 @@ def _check_model(model: nn.Module, *, encoder_decoder: bool) -> None:
         kind = "an encoder-decoder" if model.config.is_encoder_decoder else "a decoder-only"
         fix = "ExportableEncoderDecoder" if model.config.is_encoder_decoder else "ExportableDecoderOnly"
         raise TypeError(f"{type(model).__name__} is {kind} model; wrap it in {fix}")
+
+
+# Keyword of the model's forward that masks cross-attention, where it is not `attention_mask`.
+_ENCODER_MASK_KEYWORDS = {"whisper": "encoder_attention_mask"}
+
+
+def _check_encoder_input(model: nn.Module, encoder_input: str, max_encoder_len: int) -> None:
+    if encoder_input not in ENCODER_INPUTS:
+        raise ValueError(f"encoder_input={encoder_input!r} is not one of {ENCODER_INPUTS}")
+    if encoder_input == "input_ids" and model.main_input_name != "input_ids":
+        raise ValueError(
+            f"{type(model).__name__}'s encoder takes {model.main_input_name}, not input_ids; pass "
+            f"encoder_input={model.main_input_name!r} or 'encoder_hidden_states'"
+        )
+    if encoder_input == "input_features":
+        fixed_len = getattr(model.config, "max_source_positions", None)
+        if fixed_len is None or model.main_input_name != "input_features":
+            raise ValueError(f"{type(model).__name__}'s encoder does not take input_features; pass encoder_input=None")
+        if max_encoder_len != fixed_len:
+            raise ValueError(
+                f"max_encoder_len={max_encoder_len}, but input_features always give max_source_positions={fixed_len} "
+                f"encoder positions; pass max_encoder_len={fixed_len}, or encoder_input='encoder_hidden_states' for "
+                "encoder outputs of any length up to max_encoder_len"
+            )
 
 
 def _check_capacities(**capacities: int) -> None:
@@ -79,20 +103,36 @@ class ExportableEncoderDecoder(_ExportableBase):
         model: an override model (e.g. `FlexT5ForConditionalGeneration`), in eval mode.
         max_batch_size (`int`): rows of every buffer.
         max_cache_len (`int`): decoder positions per row; greedy decoding of N new tokens uses N positions.
-        max_encoder_len (`int`): encoder positions per row.
+        max_encoder_len (`int`): encoder positions per row. With `encoder_input="input_features"` it must be the
+            encoder's fixed output length, `config.max_source_positions`.
+        encoder_input (`str`, *optional*): what `prefill` feeds the encoder, one of `ENCODER_INPUTS`; defaults to
+            `model.main_input_name` (`"input_ids"` for T5 and BART, `"input_features"` for Whisper).
+            `"encoder_hidden_states"` skips the encoder: `prefill` takes its output, of any length up to
+            `max_encoder_len`, for any encoder-decoder model.
 
     Raises:
         TypeError: `model` is not an encoder-decoder override model.
-        ValueError: a capacity is not a positive int, or `model` is in training mode.
+        ValueError: a capacity is not a positive int, `model` is in training mode, an unknown `encoder_input`, or
+            `max_encoder_len` is not the fixed encoder length of `"input_features"`.
     """
 
     is_encoder_decoder = True
     capacity_names = ("max_batch_size", "max_cache_len", "max_encoder_len")
 
-    def __init__(self, model: nn.Module, *, max_batch_size: int, max_cache_len: int, max_encoder_len: int):
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        max_batch_size: int,
+        max_cache_len: int,
+        max_encoder_len: int,
+        encoder_input: str | None = None,
+    ):
         super().__init__()
         _check_model(model, encoder_decoder=True)
         _check_capacities(max_batch_size=max_batch_size, max_cache_len=max_cache_len, max_encoder_len=max_encoder_len)
+        self.encoder_input = model.main_input_name if encoder_input is None else encoder_input
+        _check_encoder_input(model, self.encoder_input, max_encoder_len)
         self.model = model
         self.max_batch_size, self.max_cache_len, self.max_encoder_len = max_batch_size, max_cache_len, max_encoder_len
         self._register_self_attention_buffers(model)
@@ -120,19 +160,35 @@ class ExportableEncoderDecoder(_ExportableBase):
             BufferViewCrossAttentionCache(layers=cross_layers),
         )
 
+    def _encoder_kwargs(self, encoder_input: torch.Tensor, encoder_attention_mask: torch.Tensor) -> dict:
+        # encoder_input: [B, L_enc] ids, [B, L_enc, d_model] states or [B, num_mel_bins, 2 * L_enc] frames
+        kwargs = {self._encoder_mask_keyword: encoder_attention_mask}
+        if self.encoder_input == "encoder_hidden_states":
+            kwargs["encoder_outputs"] = (encoder_input,)
+        else:
+            kwargs[self.encoder_input] = encoder_input
+        return kwargs
+
+    @property
+    def _encoder_mask_keyword(self) -> str:
+        # Whisper's encoder takes no mask; its decoder's cross-attention mask comes from `encoder_attention_mask`,
+        # which model_overrides/whisper.py adds. T5 and BART mask both encoder and cross-attention with
+        # `attention_mask`.
+        return _ENCODER_MASK_KEYWORDS.get(self.model.config.model_type, "attention_mask")
+
     def prefill(
         self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
+        encoder_input: torch.Tensor,
+        encoder_attention_mask: torch.Tensor,
         decoder_input_ids: torch.Tensor,
         cache_position: torch.Tensor,
     ) -> torch.Tensor:
-        # input_ids, attention_mask: [B, L_enc]; decoder_input_ids: [B, S]; cache_position: [S] -> [B, S, V]
-        batch_size = input_ids.shape[0]
+        # encoder_input: see _encoder_kwargs; encoder_attention_mask: [B, L_enc]; decoder_input_ids: [B, S];
+        # cache_position: [S] -> [B, S, V]
+        batch_size = decoder_input_ids.shape[0]
         self._zero_self_attention_rows(batch_size)
         outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
+            **self._encoder_kwargs(encoder_input, encoder_attention_mask),
             decoder_input_ids=decoder_input_ids,
             cache=self._cache(batch_size, cache_position, encoder_len=0),
             use_cache=True,
@@ -149,7 +205,7 @@ class ExportableEncoderDecoder(_ExportableBase):
         # decoder_input_ids: [B, S]; cache_position: [S]; encoder_attention_mask: [B, L_enc] -> [B, S, V]
         batch_size, encoder_len = encoder_attention_mask.shape
         outputs = self.model(
-            attention_mask=encoder_attention_mask,
+            **{self._encoder_mask_keyword: encoder_attention_mask},
             decoder_input_ids=decoder_input_ids,
             encoder_outputs=(self.encoder_hidden_states[:batch_size, :encoder_len],),
             cache=self._cache(batch_size, cache_position, encoder_len=encoder_len),
@@ -218,10 +274,10 @@ class _Method(nn.Module):
         return getattr(self.owner, self.method_name)(*inputs)
 
 
-def _dim(name: str, max_size: int) -> tuple[Dim | None, int]:
+def _dim(name: str, max_size: int) -> tuple[Dim, int]:
     """A dynamic dimension up to `max_size` and an example size for tracing (not 1: export specializes on 1)."""
     if max_size == 1:
-        return None, 1
+        return Dim.STATIC, 1
     return Dim(name, min=1, max=max_size), 2
 
 
@@ -232,12 +288,24 @@ def _example_inputs(wrapper: _ExportableBase) -> dict[str, tuple[tuple[torch.Ten
     ids = torch.zeros(b, s, dtype=torch.long)
     positions = torch.arange(s)
     if wrapper.is_encoder_decoder:
-        encoder_len, e = _dim("encoder_len", wrapper.max_encoder_len)
-        encoder_ids, encoder_mask = torch.zeros(b, e, dtype=torch.long), torch.ones(b, e, dtype=torch.long)
+        config = wrapper.model.config
+        if wrapper.encoder_input == "input_features":
+            # The encoder's output length is fixed by the frames (2 per position): a static dimension.
+            encoder_len, e = Dim.STATIC, wrapper.max_encoder_len
+            encoder_input = torch.zeros(b, config.num_mel_bins, 2 * e, dtype=wrapper.model.dtype)
+            encoder_input_dims = {0: batch}
+        else:
+            encoder_len, e = _dim("encoder_len", wrapper.max_encoder_len)
+            if wrapper.encoder_input == "input_ids":
+                encoder_input = torch.zeros(b, e, dtype=torch.long)
+            else:  # encoder_hidden_states
+                encoder_input = torch.zeros(b, e, wrapper.encoder_hidden_states.shape[-1], dtype=wrapper.model.dtype)
+            encoder_input_dims = {0: batch, 1: encoder_len}
+        encoder_mask = torch.ones(b, e, dtype=torch.long)
         return {
             "prefill": (
-                (encoder_ids, encoder_mask, ids, positions),
-                ({0: batch, 1: encoder_len}, {0: batch, 1: encoder_len}, {0: batch, 1: tokens}, {0: tokens}),
+                (encoder_input, encoder_mask, ids, positions),
+                (encoder_input_dims, {0: batch, 1: encoder_len}, {0: batch, 1: tokens}, {0: tokens}),
             ),
             "decode": (
                 (ids, positions, encoder_mask),
@@ -272,13 +340,21 @@ def export_programs(wrapper: _ExportableBase) -> dict[str, ExportedProgram]:
 
 
 def export_encoder_decoder(
-    model: nn.Module, *, max_batch_size: int, max_cache_len: int, max_encoder_len: int
+    model: nn.Module,
+    *,
+    max_batch_size: int,
+    max_cache_len: int,
+    max_encoder_len: int,
+    encoder_input: str | None = None,
 ) -> ExportedPrograms:
     """Export an encoder-decoder override model: one program pair for every batch and encoder length that fits.
 
     Args:
         model: an override model (e.g. `FlexT5ForConditionalGeneration`), in eval mode.
         max_batch_size (`int`), max_cache_len (`int`), max_encoder_len (`int`): the capacities.
+        encoder_input (`str`, *optional*): what `prefill` takes, as in `ExportableEncoderDecoder`: `"input_ids"`,
+            `"input_features"` (Whisper; fixed encoder length) or `"encoder_hidden_states"` (any model; encoder
+            length up to `max_encoder_len`). Defaults to `model.main_input_name`.
 
     Returns:
         `ExportedPrograms`: runs the exported `prefill` and `decode`, and lowers them with `to_executorch`.
@@ -292,7 +368,11 @@ def export_encoder_decoder(
     ```
     """
     wrapper = ExportableEncoderDecoder(
-        model, max_batch_size=max_batch_size, max_cache_len=max_cache_len, max_encoder_len=max_encoder_len
+        model,
+        max_batch_size=max_batch_size,
+        max_cache_len=max_cache_len,
+        max_encoder_len=max_encoder_len,
+        encoder_input=encoder_input,
     )
     return ExportedPrograms(wrapper, export_programs(wrapper))
 

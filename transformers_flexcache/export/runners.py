@@ -12,12 +12,19 @@ from torch import nn
 from torch.export import ExportedProgram
 
 METHOD_NAMES = ("prefill", "decode")
-INPUT_NAMES = {
-    (True, "prefill"): ("input_ids", "attention_mask", "decoder_input_ids", "cache_position"),
-    (True, "decode"): ("decoder_input_ids", "cache_position", "encoder_attention_mask"),
-    (False, "prefill"): ("input_ids", "attention_mask", "position_ids", "cache_position"),
-    (False, "decode"): ("input_ids", "attention_mask", "position_ids", "cache_position"),
-}
+# What an encoder-decoder `prefill` takes first: token ids, Whisper's log-mel frames, or the encoder's output.
+ENCODER_INPUTS = ("input_ids", "input_features", "encoder_hidden_states")
+FLOAT_INPUTS = ("input_features", "encoder_hidden_states")
+_DECODER_ONLY_INPUTS = ("input_ids", "attention_mask", "position_ids", "cache_position")
+
+
+def input_names(is_encoder_decoder: bool, encoder_input: str | None, method_name: str) -> tuple[str, ...]:
+    """The names of the tensors that `method_name` of such a program takes, in order."""
+    if not is_encoder_decoder:
+        return _DECODER_ONLY_INPUTS
+    if method_name == "prefill":
+        return (encoder_input, "attention_mask", "decoder_input_ids", "cache_position")
+    return ("decoder_input_ids", "cache_position", "encoder_attention_mask")
 
 
 class ProgramRunner:
@@ -26,11 +33,13 @@ class ProgramRunner:
     Attributes:
         is_encoder_decoder (`bool`): which signature `prefill` and `decode` have (see the module docstring).
         capacities (`dict[str, int]`): `max_batch_size`, `max_cache_len` and, for encoder-decoder, `max_encoder_len`.
+        encoder_input (`str` or `None`): what an encoder-decoder `prefill` takes first, one of `ENCODER_INPUTS`.
     """
 
-    def __init__(self, *, is_encoder_decoder: bool, capacities: dict[str, int]):
+    def __init__(self, *, is_encoder_decoder: bool, capacities: dict[str, int], encoder_input: str | None = None):
         self.is_encoder_decoder = is_encoder_decoder
         self.capacities = dict(capacities)
+        self.encoder_input = encoder_input if is_encoder_decoder else None
         self._started = None  # (batch, encoder length, next position) of the sequence that prefill started
 
     def _run(self, method_name: str, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -74,11 +83,14 @@ class ProgramRunner:
             )
 
     def _inputs(self, method_name: str, inputs: tuple) -> tuple[torch.Tensor, ...]:
-        names = INPUT_NAMES[self.is_encoder_decoder, method_name]
+        names = input_names(self.is_encoder_decoder, self.encoder_input, method_name)
         if len(inputs) != len(names):
             raise TypeError(f"{method_name} takes {len(names)} tensors ({', '.join(names)}), got {len(inputs)}")
-        # The programs were traced with int64 inputs; ExecuTorch refuses any other dtype.
-        return tuple(torch.as_tensor(x).long().contiguous() for x in inputs)
+        # The programs were traced with int64 ids, masks and positions; ExecuTorch refuses any other dtype.
+        return tuple(
+            torch.as_tensor(x).contiguous() if name in FLOAT_INPUTS else torch.as_tensor(x).long().contiguous()
+            for name, x in zip(names, inputs, strict=True)
+        )
 
     def prefill(self, *inputs: torch.Tensor) -> torch.Tensor:
         """Start a sequence (see the module docstring for the inputs of each kind); returns logits `[B, S, V]`.
@@ -89,13 +101,9 @@ class ProgramRunner:
         """
         inputs = self._inputs("prefill", inputs)
         if self.is_encoder_decoder:
-            input_ids, attention_mask, decoder_input_ids, cache_position = inputs
-            if attention_mask.shape != input_ids.shape or decoder_input_ids.shape[0] != input_ids.shape[0]:
-                raise ValueError(
-                    f"attention_mask {tuple(attention_mask.shape)} and decoder_input_ids "
-                    f"{tuple(decoder_input_ids.shape)} must match input_ids {tuple(input_ids.shape)} in batch"
-                )
-            batch_size, encoder_len = input_ids.shape
+            encoder_input, attention_mask, decoder_input_ids, cache_position = inputs
+            self._check_encoder_inputs(encoder_input, attention_mask, decoder_input_ids)
+            batch_size, encoder_len = attention_mask.shape
         else:
             decoder_input_ids, attention_mask, _, cache_position = inputs
             self._check_decoder_only_mask(decoder_input_ids, attention_mask)
@@ -131,6 +139,32 @@ class ProgramRunner:
         self._started = (*self._started[:2], max(self._started[2], int(cache_position[-1]) + 1))
         return logits
 
+    def _check_encoder_inputs(
+        self, encoder_input: torch.Tensor, attention_mask: torch.Tensor, decoder_input_ids: torch.Tensor
+    ) -> None:
+        # encoder_input: [B, L_enc] ids, [B, L_enc, d_model] states or [B, num_mel_bins, 2 * L_enc] frames;
+        # attention_mask: [B, L_enc]; decoder_input_ids: [B, S]
+        batch_size = decoder_input_ids.shape[0]
+        if self.encoder_input == "input_ids":
+            fits = encoder_input.dim() == 2 and attention_mask.shape == encoder_input.shape
+            rule = "attention_mask of the shape of input_ids"
+        elif self.encoder_input == "encoder_hidden_states":
+            fits = encoder_input.dim() == 3 and attention_mask.shape == encoder_input.shape[:2]
+            rule = "attention_mask [batch, encoder length] of encoder_hidden_states [batch, encoder length, d_model]"
+        else:  # input_features: the encoder's output length is fixed, 2 frames per position
+            encoder_len = self.capacities["max_encoder_len"]
+            fits = (
+                encoder_input.dim() == 3
+                and encoder_input.shape[-1] == 2 * encoder_len
+                and attention_mask.shape == (encoder_input.shape[0], encoder_len)
+            )
+            rule = f"input_features [batch, num_mel_bins, {2 * encoder_len}] and attention_mask [batch, {encoder_len}]"
+        if not fits or attention_mask.shape[0] != batch_size:
+            raise ValueError(
+                f"{self.encoder_input} {tuple(encoder_input.shape)}, attention_mask {tuple(attention_mask.shape)} and "
+                f"decoder_input_ids {tuple(decoder_input_ids.shape)} do not fit: prefill needs {rule}, all of one batch"
+            )
+
     def _check_decoder_only_mask(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
         want = (input_ids.shape[0], self.capacities["max_cache_len"])
         if tuple(attention_mask.shape) != want:
@@ -149,7 +183,11 @@ class ExportedPrograms(ProgramRunner):
     """
 
     def __init__(self, wrapper: nn.Module, programs: dict[str, ExportedProgram]):
-        super().__init__(is_encoder_decoder=wrapper.is_encoder_decoder, capacities=wrapper.capacities())
+        super().__init__(
+            is_encoder_decoder=wrapper.is_encoder_decoder,
+            capacities=wrapper.capacities(),
+            encoder_input=getattr(wrapper, "encoder_input", None),
+        )
         self.wrapper = wrapper
         self.programs = programs
         # `ExportedProgram.module()` keeps the state tensors it is given, so both modules mutate the wrapper's buffers.
@@ -187,6 +225,8 @@ class ExportedPrograms(ProgramRunner):
         else:
             raise ValueError(f"backend={backend!r} is not one of ('xnnpack', None)")
         metadata = {**self.capacities, "is_encoder_decoder": int(self.is_encoder_decoder)}
+        if self.is_encoder_decoder:
+            metadata["encoder_input"] = ENCODER_INPUTS.index(self.encoder_input)
         edge = to_edge_transform_and_lower(self.programs, partitioner=partitioner, constant_methods=metadata)
         program = edge.to_executorch(
             ExecutorchBackendConfig(
@@ -228,7 +268,12 @@ class ExecuTorchPrograms(ProgramRunner):
             raise ValueError(f"{path} has methods {sorted(names)}, not {sorted(wanted)}; write it with to_executorch")
         constant = {name: self.program.load_method(name).execute([])[0] for name in names - {"prefill", "decode"}}
         is_encoder_decoder = bool(constant.pop("is_encoder_decoder"))
-        super().__init__(is_encoder_decoder=is_encoder_decoder, capacities={k: int(v) for k, v in constant.items()})
+        encoder_input = ENCODER_INPUTS[int(constant.pop("encoder_input", 0))] if is_encoder_decoder else None
+        super().__init__(
+            is_encoder_decoder=is_encoder_decoder,
+            capacities={k: int(v) for k, v in constant.items()},
+            encoder_input=encoder_input,
+        )
         self._methods = {name: self.program.load_method(name) for name in METHOD_NAMES}
 
     def _run(self, method_name: str, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -237,26 +282,38 @@ class ExecuTorchPrograms(ProgramRunner):
 
 def greedy_generate(
     runner: ProgramRunner,
-    input_ids: torch.Tensor,
+    input_ids: torch.Tensor | None = None,
     attention_mask: torch.Tensor | None = None,
     *,
+    input_features: torch.Tensor | None = None,
+    encoder_hidden_states: torch.Tensor | None = None,
     max_new_tokens: int,
     decoder_start_token_id: int | None = None,
     eos_token_id: int | None = None,
     pad_token_id: int | None = None,
+    forced_eos_token_id: int | None = None,
     output_logits: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """Greedy decoding with exported programs, as `model.generate(do_sample=False, num_beams=1)` decodes.
 
     Args:
         runner: `ExportedPrograms` or `ExecuTorchPrograms`.
-        input_ids (`torch.LongTensor`): `[B, L_enc]` encoder tokens, or `[B, P]` a left-padded prompt (decoder-only).
-        attention_mask (`torch.LongTensor`, *optional*): same shape as `input_ids`; all ones if not given.
+        input_ids (`torch.LongTensor`, *optional*): `[B, L_enc]` encoder tokens, or `[B, P]` a left-padded prompt
+            (decoder-only).
+        attention_mask (`torch.LongTensor`, *optional*): `[B, L_enc]` (encoder-decoder) or `[B, P]`; all ones if not
+            given.
+        input_features (`torch.FloatTensor`, *optional*): `[B, num_mel_bins, 2 * L_enc]`, instead of `input_ids`
+            for a program exported with `encoder_input="input_features"` (Whisper).
+        encoder_hidden_states (`torch.FloatTensor`, *optional*): `[B, L_enc, d_model]` encoder outputs, instead of
+            `input_ids` for a program exported with `encoder_input="encoder_hidden_states"`.
         max_new_tokens (`int`): tokens to generate at most.
         decoder_start_token_id (`int`): first decoder token (encoder-decoder only).
         eos_token_id (`int`, *optional*): a row that produced it is finished and gets `pad_token_id` afterwards;
             decoding stops when every row is finished.
         pad_token_id (`int`, *optional*): defaults to `eos_token_id`.
+        forced_eos_token_id (`int`, *optional*): the last token allowed by `max_new_tokens` is this one for every
+            unfinished row, as generate's `ForcedEOSTokenLogitsProcessor` does (BART checkpoints set it). No other
+            logits processor is applied.
         output_logits (`bool`, *optional*, defaults to `False`): also return each step's logits, as `generate`'s
             `output_logits=True` does.
 
@@ -265,11 +322,21 @@ def greedy_generate(
         `N <= max_new_tokens`: what `generate` returns. With `output_logits=True`, also a tuple of N `[B, V]` logits.
 
     Raises:
-        ValueError: the generation would need more positions than `max_cache_len`, or inputs exceed a capacity.
+        ValueError: the generation would need more positions than `max_cache_len`, inputs exceed a capacity, or not
+            exactly the encoder input that the program takes.
     """
     # input_ids: [B, L] -> [B, 1 + N] (encoder-decoder) or [B, P + N] (decoder-only)
-    attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-    batch_size, input_len = input_ids.shape
+    given = {"input_ids": input_ids, "input_features": input_features, "encoder_hidden_states": encoder_hidden_states}
+    given = {name: value for name, value in given.items() if value is not None}
+    wanted = runner.encoder_input if runner.is_encoder_decoder else "input_ids"
+    if list(given) != [wanted]:
+        raise ValueError(f"this program takes {wanted}, got {sorted(given) or 'no input'}; pass {wanted}")
+    encoder_input = given[wanted]
+    batch_size, input_len = encoder_input.shape[:2]
+    if wanted == "input_features":  # the encoder's output length is fixed
+        input_len = runner.capacities["max_encoder_len"]
+    if attention_mask is None:
+        attention_mask = torch.ones(batch_size, input_len, dtype=torch.long)
     if runner.is_encoder_decoder:
         if decoder_start_token_id is None:
             raise ValueError("decoder_start_token_id is required for an encoder-decoder program")
@@ -288,7 +355,7 @@ def greedy_generate(
     pad_token_id = eos_token_id if pad_token_id is None else pad_token_id
 
     if runner.is_encoder_decoder:
-        logits = runner.prefill(input_ids, attention_mask, sequences, torch.arange(num_prefix))
+        logits = runner.prefill(encoder_input, attention_mask, sequences, torch.arange(num_prefix))
     else:
         full_mask = torch.zeros(batch_size, runner.capacities["max_cache_len"], dtype=torch.long)
         full_mask[:, :input_len] = attention_mask
@@ -301,6 +368,8 @@ def greedy_generate(
     for step in range(max_new_tokens):
         step_logits.append(logits[:, -1])  # [B, V]
         next_tokens = step_logits[-1].argmax(-1)  # [B]
+        if forced_eos_token_id is not None and step == max_new_tokens - 1:
+            next_tokens = torch.full_like(next_tokens, forced_eos_token_id)
         if eos_token_id is not None:
             next_tokens = next_tokens.masked_fill(finished, pad_token_id)
             finished |= next_tokens == eos_token_id

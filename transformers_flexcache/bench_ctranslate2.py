@@ -1,9 +1,11 @@
 """The CTranslate2 peer row of the benchmark: the same T5 model and stream through `ctranslate2.Translator`.
 
 Design decisions:
-- The upstream model is saved to a temporary folder and converted with CTranslate2's own `TransformersConverter`
-  (fp32). The converter loads a tokenizer from the folder only to read the vocabulary and special tokens, so a
-  word-level tokenizer is written there whose token `i` is id `i`: no download, and any T5 checkpoint converts.
+- The model is converted with CTranslate2's own `TransformersConverter` (fp32), handed the model in memory through
+  its `load_model` hook: the weights converted are exactly those the torch strategies run, and nothing is saved or
+  reloaded (a reload would also re-tie an untied T5 output layer, see `bench_models`). The converter still reads
+  the config and a tokenizer from a folder: the config is saved there, with a word-level tokenizer whose token `i`
+  is id `i` (the converter only reads the vocabulary and special tokens from it). No download; any T5 converts.
 - CTranslate2 takes token strings; ids are mapped through the converted model's own vocabulary file, both ways.
   Rows are passed unpadded (CTranslate2 batches variable lengths itself), which is what the attention mask tells
   transformers.
@@ -30,6 +32,17 @@ from transformers import PreTrainedTokenizerFast
 from .bench_measure import CallRecord, PeakRss
 
 NAME = "ctranslate2"
+
+
+class _InMemoryConverter(TransformersConverter):
+    """`TransformersConverter` that converts an already-loaded model instead of loading one from its folder."""
+
+    def __init__(self, model, folder: str):
+        super().__init__(folder)
+        self._model = model
+
+    def load_model(self, model_class, model_name_or_path, **kwargs):
+        return self._model
 
 
 def write_identity_tokenizer(config, path: str) -> None:
@@ -63,9 +76,9 @@ class CTranslate2Runner:
         workdir = tempfile.TemporaryDirectory(prefix="flexcache-ct2-")
         source = os.path.join(workdir.name, "transformers")
         target = os.path.join(workdir.name, "ctranslate2")
-        model.save_pretrained(source)
+        model.config.save_pretrained(source)
         write_identity_tokenizer(model.config, source)
-        TransformersConverter(source).convert(target, quantization="float32")
+        _InMemoryConverter(model, source).convert(target, quantization="float32")
         with open(os.path.join(target, "shared_vocabulary.json")) as f:
             vocabulary = json.load(f)
         translator = ctranslate2.Translator(

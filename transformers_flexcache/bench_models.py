@@ -6,10 +6,10 @@ Design decisions:
   for `--quick`. Weights are random and seeded, so a benchmark needs no network and every run sees the same model.
 - The override class is looked up at run time through `registry.flex_model_classes()`, so a model whose override
   is not in this installation is skipped with a note instead of breaking the command.
-- Weights are drawn with a larger spread than upstream's default init (and BART's output embedding is untied):
-  with the default init these random models repeat one token whatever the input, and equal tokens would prove
-  little. With it, greedy outputs change with the input and the gap between the two best logits stays far above
-  float32 rounding.
+- The output embedding is untied from the input embedding (Llama's already is), and Llama's init spread is 0.05:
+  with tied embeddings these random models mostly repeat the token they just read, whatever the input, and equal
+  tokens would prove little. Larger init spreads were tried and rejected: they saturate attention softmaxes, so
+  that float rounding alone (eager against sdpa attention) changed the greedy tokens.
 - Inputs are random token ids that avoid special tokens (so no row starts or stops early), with rows of different
   lengths padded as tokenizers pad them: right for encoder-decoder models, left for decoder-only ones. Whisper
   takes random log-mel features; its encoder only accepts `2 * max_source_positions` frames, so its encoder length
@@ -103,24 +103,34 @@ def _token_inputs(config: PreTrainedConfig, batch_size: int, length: int, genera
 # --- built-in configs ------------------------------------------------------------------------------------------
 
 
+def _untied_t5(config: T5Config) -> T5Config:
+    # T5Config.__post_init__ (transformers 5.24) forces tie_word_embeddings=True, and reads a False passed to it as
+    # "do not scale the decoder output". Set after construction, these give T5 v1.1's output layer: an lm_head of
+    # its own, applied without the d_model**-0.5 scaling.
+    config.tie_word_embeddings = False
+    config.scale_decoder_outputs = False
+    return config
+
+
 def _t5_small() -> T5Config:
-    # T5Config's defaults are t5-small: 6 + 6 layers, d_model 512, 8 heads, d_ff 2048, vocab 32128 (60M parameters).
-    return T5Config(initializer_factor=10.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    # T5Config's defaults are t5-small: 6 + 6 layers, d_model 512, 8 heads, d_ff 2048, vocab 32128; untied (77M).
+    return _untied_t5(T5Config(decoder_start_token_id=0, pad_token_id=0, eos_token_id=1))
 
 
 def _t5_quick() -> T5Config:
-    return T5Config(
-        vocab_size=QUICK_VOCAB,
-        d_model=64,
-        d_kv=16,
-        d_ff=128,
-        num_layers=2,
-        num_heads=4,
-        relative_attention_num_buckets=8,
-        initializer_factor=10.0,
-        decoder_start_token_id=0,
-        pad_token_id=0,
-        eos_token_id=1,
+    return _untied_t5(
+        T5Config(
+            vocab_size=QUICK_VOCAB,
+            d_model=64,
+            d_kv=16,
+            d_ff=128,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            decoder_start_token_id=0,
+            pad_token_id=0,
+            eos_token_id=1,
+        )
     )
 
 
@@ -156,8 +166,8 @@ def _bart_quick() -> BartConfig:
 
 
 def _whisper_tiny() -> WhisperConfig:
-    # WhisperConfig's defaults are whisper-tiny: 4 + 4 layers, d_model 384, 6 heads, 1500 encoder positions (38M).
-    return WhisperConfig(init_std=0.3)
+    # WhisperConfig's defaults are whisper-tiny: 4 + 4 layers, d_model 384, 6 heads, 1500 encoder positions; untied.
+    return WhisperConfig(tie_word_embeddings=False)
 
 
 def _whisper_quick() -> WhisperConfig:
@@ -173,7 +183,7 @@ def _whisper_quick() -> WhisperConfig:
         decoder_ffn_dim=128,
         max_source_positions=32,
         max_target_positions=64,
-        init_std=0.3,
+        tie_word_embeddings=False,
         decoder_start_token_id=1,
         pad_token_id=0,
         bos_token_id=1,
@@ -192,7 +202,7 @@ def _llama_100m() -> LlamaConfig:
         num_attention_heads=12,
         num_key_value_heads=4,
         max_position_embeddings=2048,
-        initializer_range=0.1,
+        initializer_range=0.05,
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
@@ -208,7 +218,7 @@ def _llama_quick() -> LlamaConfig:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=256,
-        initializer_range=0.1,
+        initializer_range=0.05,
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,

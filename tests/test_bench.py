@@ -95,3 +95,17 @@ def test_unknown_strategy_is_refused_with_the_valid_names(capsys):
         main(["bench", "--strategies", "dynamic,paged"])
     assert exit_info.value.code == 2
     assert "paged" in capsys.readouterr().err
+
+
+def test_bench_runs_a_local_checkpoint_folder_under_every_default_strategy(tmp_path):
+    torch.manual_seed(0)
+    LLAMA.upstream_class(LLAMA.build_config()).save_pretrained(tmp_path / "llama")
+    json_path = tmp_path / "bench.json"
+    args = ["bench", "--model", str(tmp_path / "llama"), "--calls", "2", "--new-tokens", "3", "--max-batch-size", "2"]
+    status = main([*args, "--threads", "1", "--no-progress", "--json", str(json_path)])
+    report = json.loads(json_path.read_text())
+    assert status == 0
+    assert list(report["models"]) == ["llama"]
+    assert report["models"]["llama"]["description"] == str(tmp_path / "llama")
+    assert {BASELINE, "static", "flexible_static-exact"} <= set(report["models"]["llama"]["strategies"])
+    assert report["outputs_equal"] is True

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -119,6 +120,7 @@ STRATEGIES_BY_NAME = {strategy.name: strategy for strategy in STRATEGIES}
 class Call:
     batch_size: int
     length: int  # prompt length (decoder-only) or input length (encoder-decoder)
+    encoder_len: int | None = None  # encoder positions (encoder-decoder), set once the model is known
 
 
 def make_stream(*, num_calls: int, max_batch_size: int, min_len: int, max_len: int, seed: int) -> list[Call]:
@@ -193,18 +195,17 @@ class TorchRunner:
         )
 
 
-def capacities_for(model: BenchModel, config, stream: list[Call], new_tokens: int) -> dict[str, int]:
+def capacities_for(config, stream: list[Call], new_tokens: int) -> dict[str, int]:
     """The `cache_config` capacities that fit every call of `stream`: allocated once, never grown."""
     max_batch = max(call.batch_size for call in stream)
-    max_len = max(call.length for call in stream)
     if config.is_encoder_decoder:
         # The decoder holds its start token and the new tokens; the cross-attention cache the encoder output.
         return {
             "max_batch_size": max_batch,
             "max_cache_len": new_tokens + 1,
-            "max_encoder_len": model.encoder_len(config, max_len),
+            "max_encoder_len": max(call.encoder_len for call in stream),
         }
-    return {"max_batch_size": max_batch, "max_cache_len": max_len + new_tokens}
+    return {"max_batch_size": max_batch, "max_cache_len": max(call.length for call in stream) + new_tokens}
 
 
 @dataclass
@@ -237,11 +238,14 @@ def run_model(model: BenchModel, args, strategies: list[Strategy], log) -> Model
     description = args.model or (f"tiny {model.name} (--quick)" if args.quick else model.description)
     result = ModelResult(model.name, description)
     flex_class, why_not = find_override_class(model.upstream_class)
-    if flex_class is None and any(s.flexible for s in strategies):
+    needs_override = any(strategy.flexible for strategy in strategies)
+    if flex_class is None and needs_override:
         result.skipped = why_not
         return result
 
-    upstream, flex = build_models(model, quick=args.quick, checkpoint=args.model, seed=args.seed)
+    upstream, flex = build_models(
+        model, quick=args.quick, checkpoint=args.model, seed=args.seed, with_override=needs_override
+    )
     config = upstream.config
     result.num_parameters = sum(p.numel() for p in upstream.parameters())
     min_len = max(1, min(args.min_length, args.max_length))
@@ -256,8 +260,12 @@ def run_model(model: BenchModel, args, strategies: list[Strategy], log) -> Model
         max_len=args.max_length,
         seed=args.seed,
     )
+    if config.is_encoder_decoder:
+        result.stream = [
+            dataclasses.replace(call, encoder_len=model.encoder_len(config, call.length)) for call in result.stream
+        ]
     result.new_tokens = args.new_tokens
-    result.capacities = capacities_for(model, config, result.stream, args.new_tokens)
+    result.capacities = capacities_for(config, result.stream, args.new_tokens)
 
     runners = [
         TorchRunner(strategy, flex if strategy.flexible else upstream, result.capacities) for strategy in strategies
@@ -343,7 +351,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--min-length", type=int, default=None, help="shortest prompt/input (default 8; --quick: 4)")
     parser.add_argument("--max-length", type=int, default=None, help="longest prompt/input (default 48; --quick: 16)")
-    parser.add_argument("--new-tokens", type=int, default=None, help="new tokens per call (default 16; --quick: 8)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="new tokens per call (default 12; --quick: 8)")
     parser.add_argument(
         "--threads",
         type=int,
@@ -359,7 +367,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 QUICK_DEFAULTS = {"calls": 6, "max_batch_size": 4, "min_length": 4, "max_length": 16, "new_tokens": 8}
-FULL_DEFAULTS = {"calls": 20, "max_batch_size": 8, "min_length": 8, "max_length": 48, "new_tokens": 16}
+FULL_DEFAULTS = {"calls": 20, "max_batch_size": 8, "min_length": 8, "max_length": 48, "new_tokens": 12}
 
 
 def _resolve(args, parser: argparse.ArgumentParser) -> tuple[list[BenchModel], list[Strategy]]:

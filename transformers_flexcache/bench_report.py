@@ -44,7 +44,10 @@ def machine_info(threads: int) -> dict:
 
 
 def _stream_json(result) -> list[dict]:
-    return [{"batch_size": call.batch_size, "length": call.length} for call in result.stream]
+    return [
+        {"batch_size": call.batch_size, "length": call.length, "encoder_len": call.encoder_len}
+        for call in result.stream
+    ]
 
 
 def _distinct_tokens_per_row(result) -> float | None:
@@ -165,9 +168,12 @@ def _table(model: dict) -> list[str]:
 def _stream_line(model: dict) -> str:
     stream = model["stream"]
     batches = [call["batch_size"] for call in stream]
-    lengths = [call["length"] for call in stream]
+    if stream[0]["encoder_len"] is not None:
+        kind, lengths = "encoder length", [call["encoder_len"] for call in stream]
+    else:
+        kind, lengths = "prompt length", [call["length"] for call in stream]
     return (
-        f"{len(stream)} calls, batch {min(batches)}-{max(batches)}, input length {min(lengths)}-{max(lengths)}, "
+        f"{len(stream)} calls, batch {min(batches)}-{max(batches)}, {kind} {min(lengths)}-{max(lengths)}, "
         f"{model['new_tokens']} new tokens each ({model['reference_distinct_tokens_per_row']:.1f} distinct per row); "
         f"flexible capacities {model['capacities']}"
     )
@@ -230,6 +236,7 @@ def write_plot(results, path: str) -> str:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     shown = [result for result in results if result.records]
     if not shown:
@@ -255,6 +262,7 @@ def write_plot(results, path: str) -> str:
         memory_axis.set_ylabel("MB")
         for axis in (time_axis, memory_axis):
             axis.set_xlabel("call")
+            axis.xaxis.set_major_locator(MaxNLocator(integer=True))
             axis.grid(alpha=0.3)
         time_axis.legend(fontsize=7)
         memory_axis.legend(fontsize=7)

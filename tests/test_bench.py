@@ -10,7 +10,7 @@ from transformers import DynamicCache
 
 from tests.model_cases import LLAMA
 from transformers_flexcache.__main__ import main
-from transformers_flexcache.bench import BASELINE
+from transformers_flexcache.bench import BASELINE, STRATEGIES, Strategy
 from transformers_flexcache.bench_measure import FIGURES, CacheStorageTracker
 from transformers_flexcache.bench_models import DEFAULT_MODELS
 from transformers_flexcache.cache import FlexibleStaticCache
@@ -88,6 +88,17 @@ def test_storage_tracker_counts_each_new_dynamic_cache_storage_and_never_a_reuse
     tracker.observe(flexible)
     assert tracker.allocations == 2 * config.num_hidden_layers
     assert tracker.bytes_allocated == flexible.nbytes
+
+
+def test_a_strategy_with_a_cache_config_key_this_installation_lacks_reports_why_it_cannot_run():
+    strategy = Strategy("flexible_static-future", cache_implementation="flexible_static", cache_config={"future": 1})
+    reason = strategy.unsupported_reason()
+    assert reason is not None and "future" in reason
+    assert Strategy("flexible_static-exact", cache_implementation="flexible_static").unsupported_reason() is None
+
+
+def test_compiled_strategies_run_only_when_named():
+    assert [s.name for s in STRATEGIES if s.compile and s.default] == []
 
 
 def test_unknown_strategy_is_refused_with_the_valid_names(capsys):

@@ -347,7 +347,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-batch-size",
         type=int,
         default=None,
-        help="largest batch in the stream (default 8, Whisper 4; --quick: 4)",
+        help="largest batch in the stream (default 8, Whisper 2; --quick: 4)",
     )
     parser.add_argument("--min-length", type=int, default=None, help="shortest prompt/input (default 8; --quick: 4)")
     parser.add_argument("--max-length", type=int, default=None, help="longest prompt/input (default 48; --quick: 16)")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 
 import pytest
@@ -26,12 +28,16 @@ def quick_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("bench")
     json_path = folder / "bench.json"
     args = ["bench", "--quick", "--calls", "3", "--threads", "1", "--no-progress", "--json", str(json_path)]
-    return main(args), json.loads(json_path.read_text())
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        status = main(args)
+    return status, json.loads(json_path.read_text()), printed.getvalue()
 
 
-def test_quick_bench_exits_zero_and_says_every_output_equals_dynamic_cache(quick_run, capsys):
-    status, report = quick_run
+def test_quick_bench_exits_zero_and_says_every_output_equals_dynamic_cache(quick_run):
+    status, report, printed = quick_run
     assert status == 0
+    assert "every strategy generated exactly DynamicCache's tokens on every call" in printed
     assert report["outputs_equal"] is True
     assert report["failures"] == []
     # dynamic is compared with nothing; each other strategy with it on every call
@@ -40,7 +46,7 @@ def test_quick_bench_exits_zero_and_says_every_output_equals_dynamic_cache(quick
 
 @pytest.mark.parametrize("model_name", DEFAULT_MODELS)
 def test_quick_bench_json_has_every_figure_for_every_strategy_of_each_model(quick_run, model_name):
-    _, report = quick_run
+    _, report, _ = quick_run
     model = report["models"][model_name]
     if model["skipped"]:
         # Only a model whose override is not merged yet may be left out, and the report says so.
@@ -62,7 +68,7 @@ def test_quick_bench_json_has_every_figure_for_every_strategy_of_each_model(quic
 
 
 def test_quick_bench_flexible_cache_allocates_only_on_the_warm_up_call(quick_run):
-    _, report = quick_run
+    _, report, _ = quick_run
     flexible = report["models"]["t5"]["strategies"]["flexible_static-exact"]
     assert flexible["warm_up"]["cache_allocations"] > 0
     assert [call["cache_allocations"] for call in flexible["calls"]] == [0] * report["settings"]["calls"]

@@ -39,6 +39,7 @@ from .bench_measure import (
     StepTimer,
     compiled_graph_count,
     ratios,
+    returned_cache,
     summarize,
 )
 from .bench_models import (
@@ -176,7 +177,7 @@ class TorchRunner:
             if hook is not None:
                 hook.remove()
         hook_s = self.tracker.hook_s
-        self.tracker.observe(getattr(out, "cache", None) or getattr(out, "past_key_values", None))
+        self.tracker.observe(returned_cache(out))
         tokens = out.sequences[:, -new_tokens:]
         first_token_s = timer.first_token_s(start)
         if first_token_s is not None and hook_s:

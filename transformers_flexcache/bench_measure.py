@@ -107,6 +107,16 @@ def cache_storages(cache) -> list[torch.UntypedStorage]:
     return list(storages.values())
 
 
+def returned_cache(output):
+    """The cache held by a model or generate output (`cache`, or the deprecated `past_key_values`), or None."""
+    # No `or`: a cache with no layers yet has length 0 and would read as false.
+    for name in ("cache", "past_key_values"):
+        cache = getattr(output, name, None)
+        if isinstance(cache, Cache):
+            return cache
+    return None
+
+
 class CacheStorageTracker:
     """Counts cache storages that appear for the first time, across the calls of one strategy."""
 
@@ -138,7 +148,7 @@ class CacheStorageTracker:
     def forward_hook(self, module, args, kwargs, output) -> None:
         """For `register_forward_hook(..., with_kwargs=True)`: inspect the cache after each forward."""
         start = time.perf_counter()
-        cache = getattr(output, "cache", None) or getattr(output, "past_key_values", None)
+        cache = returned_cache(output)
         if cache is None:
             cache = next((value for value in kwargs.values() if isinstance(value, Cache)), None)
         self.observe(cache)

@@ -1,0 +1,44 @@
+"""The `transformers-flexcache` command (also `python -m transformers_flexcache`).
+
+Subcommands:
+    bench   run a stream of generate calls under each cache strategy and compare time, memory and outputs
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import bench
+
+    parser = argparse.ArgumentParser(
+        prog="transformers-flexcache",
+        description="A static KV cache for Hugging Face transformers, allocated once, serving any smaller shape.",
+    )
+    subcommands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    bench_parser = subcommands.add_parser(
+        "bench",
+        help="benchmark DynamicCache, static and flexible_static caches (and CTranslate2) on one stream of calls",
+        description=(
+            "Run one seeded stream of generate calls (varying batch and input length, fixed new tokens) under each "
+            "cache strategy, interleaved, on real-sized random models; print time, tokens/s, step latency, cache "
+            "allocations and memory with their ratios to DynamicCache, and check that every strategy generates "
+            "DynamicCache's tokens (exit status 1 if not)."
+        ),
+    )
+    bench.add_arguments(bench_parser)
+    bench_parser.set_defaults(handler=bench.run, subparser=bench_parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse `argv` (default: the process arguments), run the subcommand, return its exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return args.handler(args, args.subparser)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,469 @@
+"""`transformers-flexcache bench`: one stream of generate calls, run under each cache strategy, side by side.
+
+Design decisions:
+- One seeded stream of calls per model, with varying batch sizes and prompt (or encoder) lengths, and a fixed
+  number of new tokens: `min_new_tokens = max_new_tokens`, greedy, so every call of every strategy decodes exactly
+  the same number of steps and the outputs can be compared token for token.
+- Strategies are rows of `STRATEGIES`: a cache implementation, extra `cache_config` keys and whether generate
+  compiles. A strategy whose `cache_config` this installation does not accept (e.g. a shape policy that is not
+  merged yet) is skipped with a note, so adding a mode is one entry. Compiled strategies are not in the default
+  set: compiling on CPU takes minutes.
+- Upstream strategies run on the upstream model, ours on the override model; both hold the same weights.
+- Strategies are interleaved per call, in an order that rotates from call to call, so that a slow moment of a
+  shared machine falls on every strategy alike. Each strategy first makes one untimed warm-up call; its
+  allocations and compiled graphs count, its time does not.
+- The reference is upstream's DynamicCache: every strategy's tokens are compared with its tokens on every call,
+  the command says whether they were all equal, and exits with 1 when they were not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import CompileConfig, LogitsProcessorList
+from transformers.utils import logging as hf_logging
+
+from .bench_measure import (
+    CacheStorageTracker,
+    CallRecord,
+    PeakRss,
+    StepTimer,
+    compiled_graph_count,
+    ratios,
+    returned_cache,
+    summarize,
+)
+from .bench_models import (
+    BENCH_MODELS,
+    DEFAULT_MODELS,
+    BenchModel,
+    bench_model_for_checkpoint,
+    build_models,
+    find_override_class,
+)
+from .generation import FLEXIBLE_STATIC, parse_cache_config
+
+BASELINE = "dynamic"
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A way to run generate.
+
+    Args:
+        name: the `--strategies` name.
+        cache_implementation: `generate(cache_implementation=...)`; None for upstream's default DynamicCache.
+        cache_config: `cache_config` keys beside the capacities (flexible strategies only).
+        compile: whether generate compiles the decoding forward (upstream's `compile_config`, on CPU too).
+        default: whether the strategy runs without `--strategies`.
+    """
+
+    name: str
+    cache_implementation: str | None = None
+    cache_config: dict = field(default_factory=dict)
+    compile: bool = False
+    default: bool = True
+
+    @property
+    def flexible(self) -> bool:
+        return self.cache_implementation == FLEXIBLE_STATIC
+
+    def unsupported_reason(self) -> str | None:
+        """Why this installation cannot run the strategy, or None."""
+        if self.flexible and self.cache_config:
+            try:
+                parse_cache_config(self.cache_config)
+            except ValueError as error:
+                return f"cache_config={self.cache_config} is not accepted here ({error})"
+        return None
+
+    def generate_kwargs(self, capacities: dict[str, int]) -> dict:
+        kwargs = {}
+        if self.cache_implementation is not None:
+            kwargs["cache_implementation"] = self.cache_implementation
+        if self.flexible:
+            kwargs["cache_config"] = {**capacities, **self.cache_config}
+        if self.compile:
+            compile_config = CompileConfig(mode="default")
+            compile_config._compile_all_devices = True  # upstream compiles on CUDA-like devices only otherwise
+            kwargs["compile_config"] = compile_config
+        return kwargs
+
+
+PADDED = {"shape_policy": "padded"}
+STRATEGIES = (
+    Strategy(BASELINE),
+    Strategy("static", cache_implementation="static"),
+    Strategy("flexible_static-exact", cache_implementation=FLEXIBLE_STATIC),
+    Strategy("flexible_static-padded", cache_implementation=FLEXIBLE_STATIC, cache_config=PADDED),
+    Strategy("static-compiled", cache_implementation="static", compile=True, default=False),
+    Strategy(
+        "flexible_static-padded-compiled",
+        cache_implementation=FLEXIBLE_STATIC,
+        cache_config=PADDED,
+        compile=True,
+        default=False,
+    ),
+)
+STRATEGIES_BY_NAME = {strategy.name: strategy for strategy in STRATEGIES}
+
+
+@dataclass(frozen=True)
+class Call:
+    batch_size: int
+    length: int  # prompt length (decoder-only) or input length (encoder-decoder)
+    encoder_len: int | None = None  # encoder positions (encoder-decoder), set once the model is known
+
+
+def make_stream(*, num_calls: int, max_batch_size: int, min_len: int, max_len: int, seed: int) -> list[Call]:
+    """A seeded stream of calls whose batch sizes cycle through 1..max and whose lengths spread evenly over
+    min..max, each shuffled: large and small shapes alternate, and both maxima appear when there are enough calls.
+    """
+    rng = random.Random(seed)
+    batches = [1 + i % max_batch_size for i in range(num_calls)]
+    steps = max(num_calls - 1, 1)
+    lengths = [min_len + round(i * (max_len - min_len) / steps) for i in range(num_calls)]
+    rng.shuffle(batches)
+    rng.shuffle(lengths)
+    return [Call(batch, length) for batch, length in zip(batches, lengths, strict=True)]
+
+
+class TorchRunner:
+    """Runs one strategy on one model and measures its calls."""
+
+    def __init__(self, strategy: Strategy, model, capacities: dict[str, int]):
+        self.name = strategy.name
+        self.strategy = strategy
+        self.model = model
+        self.generate_kwargs = strategy.generate_kwargs(capacities)
+        self.tracker = CacheStorageTracker()
+
+    def run(self, inputs: dict, new_tokens: int) -> CallRecord:
+        rss = PeakRss()
+        timer = StepTimer(rss)
+        self.tracker.start_call()
+        # A hook inside a compiled forward would be traced into the graph: compiled runs are inspected at the end.
+        hook = (
+            None
+            if self.strategy.compile
+            else self.model.register_forward_hook(self.tracker.forward_hook, with_kwargs=True)
+        )
+        graphs_before = compiled_graph_count()
+        try:
+            rss.start()
+            start = time.perf_counter()
+            out = self.model.generate(
+                **inputs,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                num_beams=1,
+                return_dict_in_generate=True,
+                logits_processor=LogitsProcessorList([timer]),
+                **self.generate_kwargs,
+            )
+            wall_s = time.perf_counter() - start
+            rss.sample()
+        finally:
+            if hook is not None:
+                hook.remove()
+        hook_s = self.tracker.hook_s
+        self.tracker.observe(returned_cache(out))
+        tokens = out.sequences[:, -new_tokens:]
+        first_token_s = timer.first_token_s(start)
+        if first_token_s is not None and hook_s:
+            first_token_s -= hook_s[0]
+        return CallRecord(
+            wall_s=wall_s - sum(hook_s),
+            num_tokens=tokens.numel(),
+            tokens=tokens,
+            first_token_s=first_token_s,
+            step_s=timer.step_s(hook_s),
+            cache_allocations=self.tracker.allocations,
+            cache_bytes_allocated=self.tracker.bytes_allocated,
+            peak_cache_bytes=self.tracker.peak_bytes,
+            peak_rss_growth_bytes=rss.growth_bytes,
+            compiled_graphs=compiled_graph_count() - graphs_before,
+        )
+
+
+def capacities_for(config, stream: list[Call], new_tokens: int) -> dict[str, int]:
+    """The `cache_config` capacities that fit every call of `stream`: allocated once, never grown."""
+    max_batch = max(call.batch_size for call in stream)
+    if config.is_encoder_decoder:
+        # The decoder holds its start token and the new tokens; the cross-attention cache the encoder output.
+        return {
+            "max_batch_size": max_batch,
+            "max_cache_len": new_tokens + 1,
+            "max_encoder_len": max(call.encoder_len for call in stream),
+        }
+    return {"max_batch_size": max_batch, "max_cache_len": max(call.length for call in stream) + new_tokens}
+
+
+@dataclass
+class ModelResult:
+    name: str
+    description: str
+    num_parameters: int = 0
+    new_tokens: int = 0
+    stream: list[Call] = field(default_factory=list)
+    capacities: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    records: dict[str, list[CallRecord]] = field(default_factory=dict)
+    warm_ups: dict[str, CallRecord] = field(default_factory=dict)
+    mismatches: dict[str, list[int]] = field(default_factory=dict)  # strategy -> calls whose tokens differ
+    skipped: str | None = None
+
+    def summary(self) -> dict[str, dict]:
+        """Figures per strategy, each with its ratios to DynamicCache and whether its tokens matched."""
+        figures = {name: summarize(records, warm_up=self.warm_ups.get(name)) for name, records in self.records.items()}
+        baseline = figures.get(BASELINE)
+        for name, values in figures.items():
+            values["vs_dynamic"] = ratios(values, baseline) if baseline else None
+            values["outputs_equal"] = not self.mismatches.get(name)
+        return figures
+
+
+def run_model(model: BenchModel, args, strategies: list[Strategy], log) -> ModelResult:
+    """Run the stream on `model` under every strategy (and CTranslate2 for T5 when installed)."""
+    description = args.model or (f"tiny {model.name} (--quick)" if args.quick else model.description)
+    result = ModelResult(model.name, description)
+    flex_class, why_not = find_override_class(model.upstream_class)
+    needs_override = any(strategy.flexible for strategy in strategies)
+    if flex_class is None and needs_override:
+        result.skipped = why_not
+        return result
+
+    upstream, flex = build_models(
+        model, quick=args.quick, checkpoint=args.model, seed=args.seed, with_override=needs_override
+    )
+    config = upstream.config
+    result.num_parameters = sum(p.numel() for p in upstream.parameters())
+    min_len = max(1, min(args.min_length, args.max_length))
+    max_batch_size = args.max_batch_size
+    if max_batch_size is None:
+        defaults = QUICK_DEFAULTS if args.quick else FULL_DEFAULTS
+        max_batch_size = (not args.quick and model.default_max_batch_size) or defaults["max_batch_size"]
+    result.stream = make_stream(
+        num_calls=args.calls,
+        max_batch_size=max_batch_size,
+        min_len=min_len,
+        max_len=args.max_length,
+        seed=args.seed,
+    )
+    if config.is_encoder_decoder:
+        result.stream = [
+            dataclasses.replace(call, encoder_len=model.encoder_len(config, call.length)) for call in result.stream
+        ]
+    result.new_tokens = args.new_tokens
+    result.capacities = capacities_for(config, result.stream, args.new_tokens)
+
+    runners = [
+        TorchRunner(strategy, flex if strategy.flexible else upstream, result.capacities) for strategy in strategies
+    ]
+    if model.name == "t5" and not args.no_ctranslate2:
+        peer, note = _ctranslate2_runner(upstream, args.threads)
+        if note:
+            result.notes.append(note)
+        if peer is not None:
+            runners.append(peer)
+
+    generator = torch.Generator().manual_seed(args.seed + 1)
+    warm_up = model.make_inputs(config, 1, min_len, generator)
+    for runner in list(runners):
+        try:
+            result.warm_ups[runner.name] = runner.run(warm_up, min(2, args.new_tokens))
+        except Exception as error:
+            message = f"{runner.name} failed on the warm-up call: {type(error).__name__}: {error}"
+            runners.remove(runner)
+            ours = isinstance(runner, TorchRunner) and runner.strategy.flexible
+            (result.failures if ours or runner.name == BASELINE else result.notes).append(message)
+            log(f"[{model.name}] {message}")
+    if not any(runner.name == BASELINE for runner in runners):
+        return result
+
+    progress = _progress(result.stream, model.name, args.no_progress)
+    for index, call in enumerate(progress):
+        inputs = model.make_inputs(config, call.batch_size, call.length, generator)
+        order = runners[index % len(runners) :] + runners[: index % len(runners)]
+        records = {runner.name: runner.run(inputs, args.new_tokens) for runner in order}
+        expected = records[BASELINE].tokens
+        for name, record in records.items():
+            result.records.setdefault(name, []).append(record)
+            if not torch.equal(record.tokens, expected):
+                result.mismatches.setdefault(name, []).append(index)
+    return result
+
+
+def _ctranslate2_runner(upstream, threads: int):
+    try:
+        from .bench_ctranslate2 import CTranslate2Runner
+    except ImportError:
+        return (
+            None,
+            "ctranslate2 is not installed: no CTranslate2 row (pip install transformers-flexcache[ctranslate2])",
+        )
+    try:
+        return CTranslate2Runner.from_model(upstream, threads=threads), None
+    except Exception as error:  # a converter that refuses this checkpoint costs the row, not the run
+        return None, f"CTranslate2 could not convert the model: {type(error).__name__}: {error}"
+
+
+def _progress(stream, name: str, disable: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(stream, desc=f"{name} calls", unit="call", disable=disable, file=sys.stderr)
+
+
+# --- command line ----------------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `bench` subcommand's options."""
+    default_strategies = ",".join(s.name for s in STRATEGIES if s.default)
+    parser.add_argument(
+        "--models",
+        default=",".join(DEFAULT_MODELS),
+        help=f"comma-separated models to run, of {','.join(BENCH_MODELS)} (default: all)",
+    )
+    parser.add_argument("--model", metavar="PATH", help="a local checkpoint folder to run instead of built-in configs")
+    parser.add_argument(
+        "--strategies",
+        default=default_strategies,
+        help=f"comma-separated strategies, of {','.join(STRATEGIES_BY_NAME)} (default: {default_strategies}); "
+        f"{BASELINE} always runs, as the reference",
+    )
+    parser.add_argument("--calls", type=int, default=None, help="generate calls per model (default 20; --quick: 6)")
+    parser.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=None,
+        help="largest batch in the stream (default 8, Whisper 2; --quick: 4)",
+    )
+    parser.add_argument("--min-length", type=int, default=None, help="shortest prompt/input (default 8; --quick: 4)")
+    parser.add_argument("--max-length", type=int, default=None, help="longest prompt/input (default 48; --quick: 16)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="new tokens per call (default 12; --quick: 8)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for torch and CTranslate2 (default: torch's, i.e. OMP_NUM_THREADS or the cores)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights, the stream and the inputs")
+    parser.add_argument("--quick", action="store_true", help="tiny configs and a short stream: under a minute")
+    parser.add_argument("--no-ctranslate2", action="store_true", help="skip the CTranslate2 row for T5")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--json", metavar="PATH", help="write every figure, per strategy and per call, as JSON")
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG of time and cache memory per call (matplotlib)")
+
+
+QUICK_DEFAULTS = {"calls": 6, "max_batch_size": 4, "min_length": 4, "max_length": 16, "new_tokens": 8}
+FULL_DEFAULTS = {"calls": 20, "max_batch_size": 8, "min_length": 8, "max_length": 48, "new_tokens": 12}
+
+
+def _resolve(args, parser: argparse.ArgumentParser) -> tuple[list[BenchModel], list[Strategy]]:
+    for key, value in (QUICK_DEFAULTS if args.quick else FULL_DEFAULTS).items():
+        if getattr(args, key) is None and key != "max_batch_size":  # its default depends on the model
+            setattr(args, key, value)
+    for key in ("calls", "max_batch_size", "min_length", "max_length", "new_tokens"):
+        if getattr(args, key) is not None and getattr(args, key) < 1:
+            parser.error(f"--{key.replace('_', '-')}={getattr(args, key)} must be at least 1")
+    if args.threads is None:
+        args.threads = torch.get_num_threads()
+    elif args.threads < 1:
+        parser.error(f"--threads={args.threads} must be at least 1")
+
+    names = [name.strip() for name in args.strategies.split(",") if name.strip()]
+    unknown = [name for name in names if name not in STRATEGIES_BY_NAME]
+    if unknown:
+        parser.error(f"unknown strategies {unknown}; choose from {list(STRATEGIES_BY_NAME)}")
+    if BASELINE not in names:
+        names.insert(0, BASELINE)
+    strategies = [STRATEGIES_BY_NAME[name] for name in names]
+
+    if args.model is not None:
+        if not os.path.isdir(args.model):
+            parser.error(f"--model {args.model} is not a folder; pass a local checkpoint folder")
+        try:
+            return [bench_model_for_checkpoint(args.model)], strategies
+        except ValueError as error:
+            parser.error(str(error))
+    model_names = [name.strip() for name in args.models.split(",") if name.strip()]
+    unknown = [name for name in model_names if name not in BENCH_MODELS]
+    if unknown:
+        parser.error(f"unknown models {unknown}; choose from {list(BENCH_MODELS)}")
+    return [BENCH_MODELS[name] for name in model_names], strategies
+
+
+def _write_json(report: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    # generate's per-call notices (e.g. "max_new_tokens and max_length both set") would bury the progress bar.
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()  # weight loading and saving (CTranslate2 conversion)
+    try:
+        yield
+    finally:
+        hf_logging.enable_progress_bar()
+        hf_logging.set_verbosity(level)
+
+
+def run(args, parser: argparse.ArgumentParser) -> int:
+    """Run the `bench` subcommand; returns the exit status (0: all outputs equal to DynamicCache's)."""
+    from .bench_report import format_footer, format_header, format_model, machine_info, to_json, write_plot
+
+    models, strategies = _resolve(args, parser)
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error("--plot needs matplotlib: pip install transformers-flexcache[bench]")
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    log = print
+    selected = []
+    for strategy in strategies:
+        reason = strategy.unsupported_reason()
+        if reason is None:
+            selected.append(strategy)
+        else:
+            log(f"strategy {strategy.name} skipped: {reason}")
+
+    machine = machine_info(args.threads)
+    print(format_header(machine, args))
+    results = []
+    started = time.perf_counter()
+    try:
+        with _quiet_transformers():
+            for model in models:
+                results.append(run_model(model, args, selected, log))
+                report = to_json(results, args=args, machine=machine, elapsed_s=time.perf_counter() - started)
+                print(format_model(model.name, report["models"][model.name]), flush=True)
+                if args.json:  # written after each model, so that an interrupted run keeps what it measured
+                    _write_json(report, args.json)
+    finally:
+        torch.set_num_threads(threads_before)
+    report["complete"] = True
+    print(format_footer(report))
+    if args.json:
+        _write_json(report, args.json)
+        print(f"figures written to {args.json}")
+    if args.plot:
+        print(write_plot(results, args.plot))
+    return 0 if report["outputs_equal"] and not report["failures"] else 1

@@ -1,0 +1,242 @@
+"""What the benchmark measures in one generate call, and how.
+
+Design decisions:
+- Time: wall time of the whole `generate` call with `time.perf_counter`, and per-step latency from a
+  `LogitsProcessor` that stamps the time at each decoding step (it runs once per step in every decoding loop,
+  eager or compiled, and does not touch the model). The first stamp closes the prefill (encoder plus first decoder
+  step); the gaps between later stamps are the decode steps. The time spent inspecting caches (below) is measured
+  and taken out of both, so that it does not count against the torch strategies.
+- Cache memory: caches are inspected, nothing is patched. After every forward (a forward hook on the model) and on
+  the cache that `generate` returns, the tensors the cache holds are grouped by storage. A storage not seen before
+  (tracked with weak references, so an address reused by the allocator is not mistaken for an old storage) counts
+  as one allocation of `storage.nbytes()`. DynamicCache allocates a new storage per layer at each step (`torch.cat`),
+  upstream's static cache new storages per call, the flexible cache one storage per tensor for the whole run.
+  Compiled strategies get no hook (it would be traced into the graph); their caches are inspected when returned.
+- Peak memory: torch's CPU allocator keeps no statistics and `tracemalloc` does not see it, so the process RSS is
+  read (psutil) at the start of the call, at each decoding step and at the end; the figure is the highest reading
+  minus the first. It misses peaks inside a forward (activations), and memory that the C allocator freed but kept
+  for reuse does not show up again, so it is a rough figure that depends on what ran before. `peak_cache_bytes`
+  is the exact one for caches.
+- Compiled graphs: the increase of dynamo's `unique_graphs` counter over the call.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from transformers import LogitsProcessor
+from transformers.cache_utils import Cache, EncoderDecoderCache
+
+try:
+    import psutil
+except ImportError:  # psutil comes with accelerate; without it the RSS figure is reported as None
+    psutil = None
+
+
+@dataclass
+class CallRecord:
+    """Figures of one generate call of one strategy; `None` where the strategy cannot report a figure."""
+
+    wall_s: float
+    num_tokens: int
+    tokens: torch.Tensor  # [B, N] the new tokens
+    first_token_s: float | None = None
+    step_s: list[float] = field(default_factory=list)  # gaps between decode steps
+    cache_allocations: int | None = None
+    cache_bytes_allocated: int | None = None
+    peak_cache_bytes: int | None = None
+    peak_rss_growth_bytes: int | None = None
+    compiled_graphs: int | None = None
+
+    def figures(self) -> dict:
+        return {
+            "wall_s": self.wall_s,
+            "tokens_per_s": self.num_tokens / self.wall_s,
+            "first_token_ms": None if self.first_token_s is None else 1e3 * self.first_token_s,
+            "step_latency_ms": 1e3 * statistics.median(self.step_s) if self.step_s else None,
+            "cache_allocations": self.cache_allocations,
+            "cache_bytes_allocated": self.cache_bytes_allocated,
+            "peak_cache_bytes": self.peak_cache_bytes,
+            "peak_rss_growth_bytes": self.peak_rss_growth_bytes,
+            "compiled_graphs": self.compiled_graphs,
+        }
+
+
+class StepTimer(LogitsProcessor):
+    """A logits processor that leaves scores unchanged, stamps the time of each decoding step and samples RSS."""
+
+    def __init__(self, rss: PeakRss | None = None):
+        self.stamps: list[float] = []
+        self.rss = rss
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        self.stamps.append(time.perf_counter())
+        if self.rss is not None:
+            self.rss.sample()
+        return scores
+
+    def first_token_s(self, start: float) -> float | None:
+        return self.stamps[0] - start if self.stamps else None
+
+    def step_s(self, hook_s: list[float] | None = None) -> list[float]:
+        """Gaps between steps; `hook_s[k]` (time in a forward hook after forward `k`) is taken out of the gap that
+        holds it, when there is one hook call per step."""
+        gaps = [later - earlier for earlier, later in zip(self.stamps, self.stamps[1:], strict=False)]
+        if hook_s and len(hook_s) == len(self.stamps):
+            gaps = [gap - hook for gap, hook in zip(gaps, hook_s[1:], strict=True)]
+        return gaps
+
+
+def cache_storages(cache) -> list[torch.UntypedStorage]:
+    """The distinct storages of every tensor that `cache` (any upstream or flexible cache) holds."""
+    if isinstance(cache, EncoderDecoderCache):
+        return cache_storages(cache.self_attention_cache) + cache_storages(cache.cross_attention_cache)
+    storages = {}
+    for layer in getattr(cache, "layers", ()):
+        # `vars` finds stored tensors whatever their name (keys, storage buffers, conv/ssm states); `keys`/`values`
+        # may be properties (live views), which `vars` does not list.
+        candidates = list(vars(layer).values()) + [getattr(layer, "keys", None), getattr(layer, "values", None)]
+        for tensor in candidates:
+            if isinstance(tensor, torch.Tensor) and tensor.numel() > 0:
+                storage = tensor.untyped_storage()
+                storages[id(storage)] = storage
+    return list(storages.values())
+
+
+def returned_cache(output):
+    """The cache held by a model or generate output (`cache`, or the deprecated `past_key_values`), or None."""
+    # No `or`: a cache with no layers yet has length 0 and would read as false.
+    for name in ("cache", "past_key_values"):
+        cache = getattr(output, name, None)
+        if isinstance(cache, Cache):
+            return cache
+    return None
+
+
+class CacheStorageTracker:
+    """Counts cache storages that appear for the first time, across the calls of one strategy."""
+
+    def __init__(self):
+        self._known: dict[int, weakref.ref] = {}
+        self.start_call()
+
+    def start_call(self) -> None:
+        self._known = {key: ref for key, ref in self._known.items() if ref() is not None}
+        self.hook_s: list[float] = []  # time spent in each forward_hook call, to take out of the timings
+        self.allocations = 0
+        self.bytes_allocated = 0
+        self.peak_bytes = 0
+
+    def observe(self, cache) -> None:
+        if not isinstance(cache, Cache):
+            return
+        live_bytes = 0
+        for storage in cache_storages(cache):
+            nbytes = storage.nbytes()
+            live_bytes += nbytes
+            known = self._known.get(id(storage))
+            if known is None or known() is not storage:
+                self._known[id(storage)] = weakref.ref(storage)
+                self.allocations += 1
+                self.bytes_allocated += nbytes
+        self.peak_bytes = max(self.peak_bytes, live_bytes)
+
+    def forward_hook(self, module, args, kwargs, output) -> None:
+        """For `register_forward_hook(..., with_kwargs=True)`: inspect the cache after each forward."""
+        start = time.perf_counter()
+        cache = returned_cache(output)
+        if cache is None:
+            cache = next((value for value in kwargs.values() if isinstance(value, Cache)), None)
+        self.observe(cache)
+        self.hook_s.append(time.perf_counter() - start)
+
+
+class PeakRss:
+    """The highest process RSS seen by `sample()` since `start()`, minus the RSS at `start()`.
+
+    Sampled at each decoding step rather than by a thread: a sampling thread competes for the GIL with the
+    decoding loop and slowed steps of small models by a quarter in a trial.
+    """
+
+    def __init__(self):
+        self._process = psutil.Process() if psutil is not None else None
+        self._start = self._peak = 0
+
+    def _rss(self) -> int:
+        return self._process.memory_info().rss
+
+    def start(self) -> None:
+        if self._process is not None:
+            self._start = self._peak = self._rss()
+
+    def sample(self) -> None:
+        if self._process is not None:
+            self._peak = max(self._peak, self._rss())
+
+    @property
+    def growth_bytes(self) -> int | None:
+        return None if self._process is None else self._peak - self._start
+
+
+def compiled_graph_count() -> int:
+    """Graphs that dynamo has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def summarize(records: list[CallRecord], *, warm_up: CallRecord | None = None) -> dict:
+    """Figures of a strategy over a stream: totals, medians over all decode steps, maxima over calls.
+
+    The untimed warm-up call counts only in the totals of allocations, bytes allocated and compiled graphs: what it
+    allocates or compiles is part of serving the stream.
+    """
+    counted = [warm_up, *records] if warm_up is not None else records
+    wall_s = sum(r.wall_s for r in records)
+    steps = [s for r in records for s in r.step_s]
+    firsts = [r.first_token_s for r in records if r.first_token_s is not None]
+
+    def total(name):
+        values = [getattr(r, name) for r in counted]
+        return None if any(v is None for v in values) else sum(values)
+
+    def peak(name):
+        values = [getattr(r, name) for r in records]
+        return None if any(v is None for v in values) else max(values)
+
+    return {
+        "wall_s": wall_s,
+        "tokens_per_s": sum(r.num_tokens for r in records) / wall_s,
+        "first_token_ms": 1e3 * statistics.median(firsts) if firsts else None,
+        "step_latency_ms": 1e3 * statistics.median(steps) if steps else None,
+        "cache_allocations": total("cache_allocations"),
+        "cache_bytes_allocated": total("cache_bytes_allocated"),
+        "peak_cache_bytes": peak("peak_cache_bytes"),
+        "peak_rss_growth_bytes": peak("peak_rss_growth_bytes"),
+        "compiled_graphs": total("compiled_graphs"),
+    }
+
+
+FIGURES = (
+    "wall_s",
+    "tokens_per_s",
+    "first_token_ms",
+    "step_latency_ms",
+    "cache_allocations",
+    "cache_bytes_allocated",
+    "peak_cache_bytes",
+    "peak_rss_growth_bytes",
+    "compiled_graphs",
+)
+
+
+def ratios(figures: dict, baseline: dict) -> dict:
+    """Each figure divided by the baseline's (DynamicCache's); None where either is missing or the baseline is 0."""
+    return {
+        name: (figures[name] / baseline[name] if figures[name] is not None and baseline[name] else None)
+        for name in FIGURES
+    }

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import json
 import os
@@ -206,7 +207,9 @@ def capacities_for(config, stream: list[Call], new_tokens: int) -> dict[str, int
             "max_cache_len": new_tokens + 1,
             "max_encoder_len": max(call.encoder_len for call in stream),
         }
-    return {"max_batch_size": max_batch, "max_cache_len": max(call.length for call in stream) + new_tokens}
+    max_prompt = max(call.length for call in stream)
+    # max_prompt_len only shapes the padded policy's prefill (decoder-only prompts are left-padded to it).
+    return {"max_batch_size": max_batch, "max_cache_len": max_prompt + new_tokens, "max_prompt_len": max_prompt}
 
 
 @dataclass
@@ -268,8 +271,11 @@ def run_model(model: BenchModel, args, strategies: list[Strategy], log) -> Model
     result.new_tokens = args.new_tokens
     result.capacities = capacities_for(config, result.stream, args.new_tokens)
 
+    # Each flexible strategy gets its own model object (a shallow copy: the same weights) and so its own cache: a
+    # model holds one flexible cache, and a change of shape policy rebuilds it, which interleaving would do per call.
     runners = [
-        TorchRunner(strategy, flex if strategy.flexible else upstream, result.capacities) for strategy in strategies
+        TorchRunner(strategy, copy.copy(flex) if strategy.flexible else upstream, result.capacities)
+        for strategy in strategies
     ]
     if model.name == "t5" and not args.no_ctranslate2:
         peer, note = _ctranslate2_runner(upstream, args.threads)

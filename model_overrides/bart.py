@@ -1,9 +1,9 @@
 """BART: cross-attention reads its keys and values through the flexible cache's `get_kv`.
 
-Upstream's `BartAttention.forward` (transformers==5.24.0) reuses cross-attention keys and values by reading
-`cache.is_updated[layer_idx]` and `cache.cross_attention_cache.layers[layer_idx].keys/.values`. With a cache that is
-larger than the call, those tensors would be the whole storage. Here the cross-attention path asks the cache for
-exactly the rows and encoder positions that the current call wrote.
+Upstream's `BartAttention.forward` (transformers==5.24.0) reuses cross-attention keys and values by reading the
+cache's per-layer `is_updated` flag and the `keys`/`values` attributes of the cross-attention cache's layer objects.
+With a cache that is larger than the call, those tensors would be the whole storage. Here the cross-attention path
+asks the cache for exactly the rows and encoder positions that the current call wrote.
 
 What needs no change:
 - Self-attention only calls `update`, which returns views of the live batch and length.
@@ -50,7 +50,7 @@ class FlexBartAttention(BartAttention):
         input_shape = hidden_states.shape[:-1]
         query_states = self.q_proj(hidden_states).view(*input_shape, -1, self.head_dim).transpose(1, 2)
 
-        # flexcache: projected once per call through the cache's accessors, instead of `is_updated` and `.layers[i].keys`
+        # flexcache: projected once per call through the cache's accessors, instead of the `is_updated` flag and layer attributes
         key_states, value_states = cache.cross_attention_kv(self.layer_idx, key_value_states, self._flex_project_kv)
 
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(

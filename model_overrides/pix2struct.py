@@ -2,14 +2,14 @@
 
 Two changes to upstream (transformers==5.24.0):
 
-- `Pix2StructTextAttention.forward` reuses cross-attention keys and values by reading `cache.is_updated[layer_idx]`
-  and `cache.cross_attention_cache.layers[layer_idx].keys/.values`, as T5 does. With a cache larger than the call,
-  those would be the whole storage. Here the cross-attention path asks the cache for exactly the rows and encoder
-  positions (image patches) that the current call wrote.
+- `Pix2StructTextAttention.forward` reuses cross-attention keys and values by reading the cache's per-layer
+  `is_updated` flag and the `keys`/`values` attributes of the cross-attention cache's layer objects, as T5 does.
+  With a cache larger than the call, those would be the whole storage. Here the cross-attention path asks the cache
+  for exactly the rows and encoder positions (image patches) that the current call wrote.
 - `Pix2StructTextConfig.use_cache` defaults to `False`, and the model's generation config inherits it, so upstream's
   `generate(cache_implementation="static")` silently runs without any cache (its only sign is a warning that
-  `cache_implementation` "may be ignored"). Asking for `cache_implementation="flexible_static"` is asking for a cache,
-  so the override turns `use_cache` on for that call, unless `generate` is passed `use_cache=False`.
+  `cache_implementation` "may be ignored"). Asking for `cache_implementation="flexible_static"` is asking for a
+  cache, so the override turns `use_cache` on for that call, unless `generate` is passed `use_cache=False`.
 
 What needs no change:
 - Self-attention only calls `update`; its relative position bias uses `cache.get_seq_length(layer_idx)`, the live
@@ -62,7 +62,7 @@ class FlexPix2StructTextAttention(Pix2StructTextAttention):
         input_shape = hidden_states.shape[:-1]
         query_states = self.query(hidden_states).view(*input_shape, -1, self.key_value_proj_dim).transpose(1, 2)
 
-        # flexcache: projected once per call through the cache's accessors, instead of `is_updated` and `.layers[i].keys`
+        # flexcache: projected once per call through the cache's accessors, instead of the `is_updated` flag and layer attributes
         key_states, value_states = cache.cross_attention_kv(self.layer_idx, key_value_states, self._flex_project_kv)
 
         if position_bias is None:

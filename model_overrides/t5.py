@@ -1,12 +1,11 @@
 """T5: cross-attention reads its keys and values through the flexible cache's `get_kv`.
 
-Upstream's `T5Attention.forward` (transformers==5.24.0) reuses cross-attention keys and values by reading
-`cache.is_updated[layer_idx]` and `cache.cross_attention_cache.layers[layer_idx].keys/.values`. With a cache that
-is larger than the call, those tensors would be the whole storage. Here the cross-attention path asks the cache for
-exactly the rows and encoder positions that the current call wrote. Self-attention, the relative position bias
-(from `get_seq_length()`) and the masks need no change: the cache answers them for the live batch and length, so
-the cross-attention mask built from the encoder mask covers exactly the live encoder length.
-"""
+Upstream's `T5Attention.forward` (transformers==5.24.0) reuses cross-attention keys and values by reading the
+cache's per-layer `is_updated` flag and the `keys`/`values` attributes of the cross-attention cache's layer objects.
+With a cache that is larger than the call, those tensors would be the whole storage. Here the cross-attention path
+asks the cache for exactly the rows and encoder positions that the current call wrote. Self-attention, the relative
+position bias (from `get_seq_length()`) and the masks need no change: the cache answers them for the live batch and
+length, so the cross-attention mask built from the encoder mask covers exactly the live encoder length."""
 
 from __future__ import annotations
 
@@ -43,7 +42,7 @@ class FlexT5Attention(T5Attention):
         input_shape = hidden_states.shape[:-1]
         query_states = self.q(hidden_states).view(*input_shape, -1, self.key_value_proj_dim).transpose(1, 2)
 
-        # flexcache: projected once per call through the cache's accessors, instead of `is_updated` and `.layers[i].keys`
+        # flexcache: projected once per call through the cache's accessors, instead of the `is_updated` flag and layer attributes
         key_states, value_states = cache.cross_attention_kv(self.layer_idx, key_value_states, self._flex_project_kv)
 
         if position_bias is None:

@@ -2,15 +2,17 @@
 
 Upstream (transformers==5.24.0) needs two changes to run on a flexible cache:
 
-- `WhisperAttention.forward` reuses cross-attention keys and values by reading `cache.is_updated[layer_idx]` and
-  `cache.cross_attention_cache.layers[layer_idx].keys/.values`. With a cache larger than the call, those would be
-  the whole storage. `FlexWhisperAttention` writes them once per call with `cross_attention_cache.update` and reads
-  exactly the live rows and encoder positions with `cross_attention_cache.get_kv`.
+- `WhisperAttention.forward` reuses cross-attention keys and values by reading the cache's per-layer `is_updated`
+  flag and the `keys`/`values` attributes of the cross-attention cache's layer objects. With a cache larger than the
+  call, those would be the whole storage. `FlexWhisperAttention` writes them once per call with
+  `cross_attention_cache.update` and reads exactly the live rows and encoder positions with
+  `cross_attention_cache.get_kv`.
 - `WhisperDecoder.forward` builds no cross-attention mask (it passes `encoder_attention_mask=None` to its layers).
   With exact-shape views no mask is needed: the cross keys end at the encoder length of the call, as with
   DynamicCache. But encoder outputs padded to a fixed length (a fixed-shape mode) need one, so
   `FlexWhisperDecoder.forward` accepts `encoder_attention_mask` (`[B, L_enc]`, 1 for live encoder positions) and
-  builds the cross mask with `create_bidirectional_mask`, as BART's decoder does. Without it, outputs are upstream's.
+  builds the cross mask with `create_bidirectional_mask`, as BART's decoder does. Without it, outputs are
+  upstream's.
 
 `WhisperGenerationMixin.generate` needs no change: for `return_dict_in_generate=True` it rebuilds the returned cache
 from each layer's `.keys/.values`, which the flexible cache exposes as views of the live batch and length, so the
@@ -82,7 +84,7 @@ class FlexWhisperAttention(WhisperAttention):
         # Upstream scales the query before the product (and passes scaling=1.0 below) to match the original model.
         query_states = (self.q_proj(hidden_states) * self.scaling).view(hidden_shape).transpose(1, 2).contiguous()
 
-        # flexcache: projected once per call through the cache's accessors, instead of `is_updated` and `.layers[i].keys`
+        # flexcache: projected once per call through the cache's accessors, instead of the `is_updated` flag and layer attributes
         key_states, value_states = cache.cross_attention_kv(self.layer_idx, key_value_states, self._flex_project_kv)
 
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(

@@ -35,8 +35,8 @@ from transformers.models.pix2struct.modeling_pix2struct import (
 )
 
 from transformers_flexcache.cache import FlexibleEncoderDecoderCache
-from transformers_flexcache.generation import FLEXIBLE_STATIC
 from transformers_flexcache.modeling import FlexModelMixin
+from transformers_flexcache.request import FLEXIBLE_STATIC, asks_for_flexible
 
 
 class FlexPix2StructTextAttention(Pix2StructTextAttention):
@@ -109,12 +109,11 @@ class FlexPix2StructForConditionalGeneration(FlexModelMixin, Pix2StructForCondit
         may be ignored" warning is not raised for them; a name found only in the model's own `generation_config` still
         gets that warning (once, while upstream merges it), although the cache is used.
         """
-        requested = kwargs.get("cache_implementation")
-        if requested is None and generation_config is not None:
-            requested = generation_config.cache_implementation
-        if requested is None:
-            requested = self.generation_config.cache_implementation
-        if requested == FLEXIBLE_STATIC and kwargs.get("use_cache") is None:
+        named = kwargs.get("cache_implementation")
+        asks = (named == FLEXIBLE_STATIC) if named is not None else None
+        for source in (generation_config, self.generation_config):
+            asks = asks_for_flexible(source) if asks is None else asks
+        if asks and kwargs.get("use_cache") is None:
             if generation_config is None:
                 kwargs["use_cache"] = True
             else:

@@ -14,9 +14,11 @@ Upstream (transformers==5.24.0) needs two changes to run on a flexible cache:
   builds the cross mask with `create_bidirectional_mask`, as BART's decoder does. Without it, outputs are
   upstream's.
 
-`WhisperGenerationMixin.generate` needs no change: for `return_dict_in_generate=True` it rebuilds the returned cache
-from each layer's `.keys/.values`, which the flexible cache exposes as views of the live batch and length, so the
-returned cache reports the lengths actually written (a copy, not the shared flexible cache).
+`WhisperGenerationMixin` splits every output per row after each call it makes to upstream's generate, and stacks
+the rows back at the end; for the cache that is a copy to the CPU of every row (a per-call allocation).
+`_postprocess_outputs` and `_stack_split_outputs` keep the flexible cache instead: `generate` returns it (no copy)
+when its rows are the call's rows, and copies rows only when a temperature fallback is about to reuse the storage
+(rows then come from several calls, as upstream's copy does).
 
 With `cache_config={"shape_policy": "padded"}` (fixed shapes for `torch.compile`), two things are Whisper's own:
 - Whisper's generate calls upstream's once per 30-second segment and per temperature fallback, on the rows still
@@ -43,6 +45,7 @@ from transformers.models.whisper.modeling_whisper import (
     WhisperForConditionalGeneration,
     eager_attention_forward,
 )
+from transformers.utils import ModelOutput
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
@@ -222,6 +225,40 @@ class FlexWhisperDecoder(WhisperDecoder):
         return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden_states, cache=cache)
 
 
+class _CacheRows:
+    """The rows of one flexible cache that Whisper's post-processing kept, copied only if its storage is reused."""
+
+    def __init__(self, cache: FlexibleEncoderDecoderCache):
+        self.cache = cache
+        self.copies: list | None = None
+        cache.__dict__.setdefault("_before_reuse", []).append(self._copy_all)
+
+    def _copy_all(self) -> None:
+        if self.copies is not None:
+            return
+        cache, batch_size = self.cache, self.cache.batch_size
+        length, encoder_len = int(cache.get_seq_length()), cache.get_encoder_length()
+        self.copies = []
+        for row in range(batch_size):
+            layers = []
+            for layer_idx in range(len(cache.self_attention_cache)):
+                keys, values = cache.self_attention_cache.get_kv(layer_idx, batch_size, length)
+                cross_keys, cross_values = cache.cross_attention_cache.get_kv(layer_idx, batch_size, encoder_len)
+                layers.append(tuple(t[row][None].cpu() for t in (keys, values, cross_keys, cross_values)))
+            self.copies.append(EncoderDecoderCache(layers))
+
+    def copy_of(self, row: int) -> EncoderDecoderCache:
+        self._copy_all()
+        return self.copies[row]
+
+
+class _RowOf:
+    """Row `index` of a `_CacheRows`."""
+
+    def __init__(self, rows: _CacheRows, index: int):
+        self.rows, self.index = rows, index
+
+
 class FlexWhisperForConditionalGeneration(
     FlexModelMixin, WhisperForConditionalGeneration, FlexCacheInnerGenerateMixin
 ):
@@ -236,6 +273,58 @@ class FlexWhisperForConditionalGeneration(
     _flex_module_classes = {WhisperAttention: FlexWhisperAttention, WhisperDecoder: FlexWhisperDecoder}
     # Padded mode pads the mask that `FlexWhisperDecoder` reads; `attention_mask` masks log-mel frames.
     _flex_encoder_mask_key = "encoder_attention_mask"
+
+    def _postprocess_outputs(
+        self, seek_outputs, decoder_input_ids, return_token_timestamps, generation_config, **kwargs
+    ):
+        """Wraps `WhisperGenerationMixin._postprocess_outputs` (transformers==5.24.0).
+
+        Differences: a flexible cache in the outputs is not copied row by row to the CPU (upstream splits every output
+        per row, the cache included, to stack them back later). Each row keeps a reference to the cache instead, and
+        `_stack_split_outputs` returns the cache itself when its rows are the call's rows in order. If a later call of
+        the same generate (a temperature fallback) is about to reuse that storage, the rows are copied first, as
+        upstream copies them.
+        """
+        cache = seek_outputs.get("cache") if isinstance(seek_outputs, ModelOutput) else None
+        if not isinstance(cache, FlexibleEncoderDecoderCache):
+            return super()._postprocess_outputs(
+                seek_outputs, decoder_input_ids, return_token_timestamps, generation_config, **kwargs
+            )
+        without_cache = type(seek_outputs)(**{key: value for key, value in seek_outputs.items() if key != "cache"})
+        sequences, rows = super()._postprocess_outputs(
+            without_cache, decoder_input_ids, return_token_timestamps, generation_config, **kwargs
+        )
+        if isinstance(rows, list):
+            shared = _CacheRows(cache) if kwargs.get("is_shortform") else None
+            for index, row in enumerate(rows):
+                # Upstream keeps no cache for long-form calls ("too costly"): neither does this.
+                row["cache"] = _RowOf(shared, index) if shared is not None else None
+        return sequences, rows
+
+    def _stack_split_outputs(self, seek_outputs, model_output_type, device, kwargs):
+        """Wraps `WhisperGenerationMixin._stack_split_outputs` (transformers==5.24.0).
+
+        Differences: rows that refer to one flexible cache, in order, give back that cache (no copy); otherwise (rows
+        from several calls after a temperature fallback) each row's copy is stacked as upstream stacks them.
+        """
+        refs = [row.get("cache") for row in seek_outputs]
+        if not refs or not all(isinstance(ref, _RowOf) for ref in refs):
+            return super()._stack_split_outputs(seek_outputs, model_output_type, device, kwargs)
+        shared = refs[0].rows
+        # The cache itself only when its rows are exactly the returned rows (with beams it holds every beam, while
+        # upstream's copy takes rows 0..B-1: kept as upstream's, copied).
+        whole = (
+            all(ref.rows is shared for ref in refs)
+            and [ref.index for ref in refs] == list(range(len(refs)))
+            and shared.cache.batch_size == len(refs)
+        )
+        if whole and shared.copies is None and not shared.cache.is_stale:
+            rows = [{key: value for key, value in row.items() if key != "cache"} for row in seek_outputs]
+            outputs = super()._stack_split_outputs(rows, model_output_type, device, kwargs)
+            outputs["cache"] = shared.cache
+            return outputs
+        rows = [{**row, "cache": ref.rows.copy_of(ref.index)} for row, ref in zip(seek_outputs, refs, strict=True)]
+        return super()._stack_split_outputs(rows, model_output_type, device, kwargs)
 
     def _validate_model_kwargs(self, model_kwargs: dict) -> None:
         """Upstream's check, except that `encoder_attention_mask` is accepted: it reaches `FlexWhisperDecoder` through

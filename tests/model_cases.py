@@ -1,6 +1,6 @@
 """Tiny seeded models for the tests, one `ModelCase` per supported model type.
 
-A case builds two models with the same weights from an upstream config class: the upstream model (the oracle,
+A case builds two models with the same weights from a tiny config of `transformers_flexcache.zoo`: the upstream model (the oracle,
 generating with its default DynamicCache) and our override. It also makes generate inputs of a given batch and
 length (prompt tokens, or encoder tokens for encoder-decoder models, with padding; for Whisper, log-mel features or
 encoder outputs, see `_whisper_inputs`).
@@ -13,17 +13,11 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import (
-    BartConfig,
     BartForConditionalGeneration,
-    JambaConfig,
     JambaForCausalLM,
-    LlamaConfig,
     LlamaForCausalLM,
-    Pix2StructConfig,
     Pix2StructForConditionalGeneration,
-    T5Config,
     T5ForConditionalGeneration,
-    WhisperConfig,
     WhisperForConditionalGeneration,
 )
 from transformers.modeling_outputs import BaseModelOutput
@@ -35,8 +29,38 @@ from model_overrides.pix2struct import FlexPix2StructForConditionalGeneration
 from model_overrides.t5 import FlexT5ForConditionalGeneration
 from model_overrides.whisper import FlexWhisperForConditionalGeneration
 from tests.helpers import SCORE_ATOL
+from transformers_flexcache import zoo
 
-VOCAB = 99
+VOCAB = zoo.TINY_VOCAB
+WHISPER_MAX_SOURCE_POSITIONS = zoo.WHISPER_TINY_MAX_SOURCE_POSITIONS
+WHISPER_NUM_MEL_BINS = zoo.WHISPER_TINY_NUM_MEL_BINS
+WHISPER_D_MODEL = zoo.WHISPER_TINY_D_MODEL
+PATCH_DIM = zoo.PIX2STRUCT_PATCH_DIM
+PATCH_COLUMNS = 4  # patches per image row, for the row/column ids
+
+
+def _llama_config():
+    return zoo.tiny_config("llama")
+
+
+def _t5_config():
+    return zoo.tiny_config("t5")
+
+
+def _jamba_config():
+    return zoo.tiny_config("jamba")
+
+
+def _whisper_config():
+    return zoo.tiny_config("whisper")
+
+
+def _bart_config():
+    return zoo.tiny_config("bart")
+
+
+def _pix2struct_config():
+    return zoo.tiny_config("pix2struct")
 
 
 @dataclass
@@ -49,9 +73,6 @@ class ModelCase:
     # generate kwargs that every call of this case needs (e.g. special token ids)
     generate_kwargs: dict = field(default_factory=dict)
     attn_implementations: tuple[str, ...] = ("eager", "sdpa")
-    # Whether generate(return_dict_in_generate=True) returns the shared flexible cache itself. Whisper's generate
-    # returns a copy of its live content instead (generation_whisper.py rebuilds the cache row by row).
-    returns_flexible_cache: bool = True
     # Padding sides that tests/test_decoding.py checks; None: left for decoder-only models, and both sides of the
     # encoder input for encoder-decoder models, when `make_inputs` gives an attention_mask (none: no padding test).
     padding_sides: tuple[str, ...] | None = None
@@ -90,98 +111,6 @@ def _token_inputs(batch_size: int, length: int, generator: torch.Generator, *, p
     return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
-def _llama_config():
-    return LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=37,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-
-
-def _t5_config():
-    config = T5Config(
-        vocab_size=VOCAB,
-        d_model=32,
-        d_kv=8,
-        d_ff=37,
-        num_layers=2,
-        num_heads=4,
-        relative_attention_num_buckets=8,
-        decoder_start_token_id=0,
-        pad_token_id=0,
-        eos_token_id=2,
-    )
-    # Untied output embeddings (kept scaled by d_model**-0.5, as t5-small): with tied ones the tiny random model
-    # echoes the decoder start token at every step, so token equality would prove nothing. T5Config.__init__ forces
-    # the tie on, hence the assignment after it.
-    config.tie_word_embeddings = False
-    return config
-
-
-def _jamba_config():
-    # Layer 0 is Mamba (linear attention), layer 1 attention with a 2-expert MoE feed-forward. The expert width is a
-    # multiple of 4 because the grouped matmul of the experts needs 16-byte strides in fp32.
-    return JambaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attn_layer_period=2,
-        attn_layer_offset=1,
-        expert_layer_period=2,
-        expert_layer_offset=1,
-        num_experts=2,
-        num_experts_per_tok=1,
-        mamba_d_state=4,
-        mamba_d_conv=3,
-        mamba_expand=2,
-        mamba_dt_rank=4,
-        max_position_embeddings=128,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-
-
-WHISPER_MAX_SOURCE_POSITIONS = 12  # the encoder length that log-mel features give (2 frames per position)
-WHISPER_NUM_MEL_BINS = 8
-WHISPER_D_MODEL = 32
-
-
-def _whisper_config():
-    return WhisperConfig(
-        vocab_size=VOCAB,
-        num_mel_bins=WHISPER_NUM_MEL_BINS,
-        d_model=WHISPER_D_MODEL,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=37,
-        decoder_ffn_dim=37,
-        max_source_positions=WHISPER_MAX_SOURCE_POSITIONS,
-        max_target_positions=64,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        decoder_start_token_id=1,
-        # upstream's defaults suppress ids of the real 51865-token vocabulary
-        suppress_tokens=None,
-        begin_suppress_tokens=None,
-        # at the default 0.02 a random tiny Whisper emits one token over and over; 0.5 gives varied sequences
-        init_std=0.5,
-    )
-
-
 def _whisper_inputs(batch_size: int, length: int, generator: torch.Generator) -> dict:
     """Log-mel features when `length` is the encoder's fixed length, else encoder outputs of `length` positions.
 
@@ -198,59 +127,6 @@ def _whisper_inputs(batch_size: int, length: int, generator: torch.Generator) ->
         )
     hidden_states = torch.randn(batch_size, length, WHISPER_D_MODEL, generator=generator)
     return {"encoder_outputs": BaseModelOutput(last_hidden_state=hidden_states)}
-
-
-def _bart_config():
-    return BartConfig(
-        vocab_size=VOCAB,
-        d_model=32,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=37,
-        decoder_ffn_dim=37,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        decoder_start_token_id=2,
-        forced_eos_token_id=2,
-        # Untied and wider than upstream's 0.02: with tied embeddings the tiny model copies the decoder start (its
-        # EOS) at once, and with small weights every row decodes the same tokens whatever its encoder input.
-        tie_word_embeddings=False,
-        init_std=0.2,
-    )
-
-
-PATCH_DIM = 12  # pixels per flattened patch (tiny: upstream's is 16 x 16 x 3)
-PATCH_COLUMNS = 4  # patches per image row, for the row/column ids
-
-
-def _pix2struct_config():
-    text_config = {
-        "vocab_size": VOCAB,
-        "hidden_size": 32,
-        "d_kv": 8,
-        "d_ff": 37,
-        "num_layers": 2,
-        "num_heads": 4,
-        "relative_attention_num_buckets": 8,
-        "relative_attention_max_distance": 16,
-        "decoder_start_token_id": 0,
-        "pad_token_id": 0,
-        "eos_token_id": 2,
-    }
-    vision_config = {
-        "hidden_size": 32,
-        "patch_embed_hidden_size": PATCH_DIM,
-        "d_ff": 37,
-        "d_kv": 8,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "seq_len": 16,  # row/column ids below 16: up to 60 patches in rows of 4
-    }
-    return Pix2StructConfig(text_config=text_config, vision_config=vision_config)
 
 
 def _patch_inputs(batch_size: int, length: int, generator: torch.Generator) -> dict:
@@ -298,7 +174,6 @@ WHISPER = ModelCase(
     upstream_class=WhisperForConditionalGeneration,
     flex_class=FlexWhisperForConditionalGeneration,
     make_inputs=_whisper_inputs,
-    returns_flexible_cache=False,
     # Log-mel features, not encoder outputs: upstream's Whisper generate cannot expand `encoder_outputs` for
     # num_return_sequences (it repeats `input_features`, which is then None).
     decoding_input_len=WHISPER_MAX_SOURCE_POSITIONS,

@@ -37,7 +37,9 @@ def test_get_kv_returns_views_equal_to_what_a_dynamic_cache_holds(batch_size, le
     for layer_idx in range(2):
         keys, values = flex.get_kv(layer_idx, batch_size, total)
         assert keys.shape == (batch_size, 2, total, 8)
-        assert keys.data_ptr() == flex.layers[layer_idx].data_ptrs()[0], "get_kv must return a view, not a copy"
+        assert keys.data_ptr() == flex.layers[layer_idx].storages()[0].data_ptr(), (
+            "get_kv must return a view, not a copy"
+        )
         torch.testing.assert_close((keys, values), (dynamic.layers[layer_idx].keys, dynamic.layers[layer_idx].values))
     assert flex.get_seq_length() == dynamic.get_seq_length() == total
     assert flex.get_mask_sizes(1, 0) == dynamic.get_mask_sizes(1, 0)
@@ -92,7 +94,7 @@ def test_update_over_capacity_with_error_raises_before_writing_and_the_cache_sta
     torch.testing.assert_close(got, (torch.cat([keys, one_keys], 2), torch.cat([values, one_values], 2)))
 
 
-def test_update_over_capacity_grows_once_and_keeps_live_content(caplog):
+def test_update_over_capacity_grows_geometrically_once_and_keeps_live_content(caplog):
     cache = _cache()
     keys, values = _kv(2, 15, seed=6)
     cache.update(keys, values, 0)
@@ -100,8 +102,22 @@ def test_update_over_capacity_grows_once_and_keeps_live_content(caplog):
     with caplog.at_level("WARNING", logger="transformers_flexcache"):
         got = cache.update(more_keys, more_values, 0)
     assert 'cache_config={"max_cache_len": 18}' in caplog.text
-    assert cache.max_cache_len == 18 and cache.num_allocations == 2
+    # 18 positions are needed; the capacity at least doubles, so that growing token by token stays rare.
+    assert cache.max_cache_len == 2 * 16 and cache.num_allocations == 2
     torch.testing.assert_close(got, (torch.cat([keys, more_keys], 2), torch.cat([values, more_values], 2)))
+
+
+def test_a_continuation_token_by_token_past_capacity_reallocates_a_logarithmic_number_of_times():
+    cache = _cache()  # max_cache_len=16
+    written = []
+    for step in range(200):
+        keys, values = _kv(2, 1, seed=100 + step)
+        for layer_idx in range(len(cache.layers)):
+            cache.update(keys, values, layer_idx)
+        written.append(keys)
+    # 16 -> 32 -> 64 -> 128 -> 256: four growths for 200 tokens, not 184.
+    assert cache.num_allocations == 1 + 4
+    torch.testing.assert_close(cache.get_kv(0, 2, 200)[0], torch.cat(written, 2))
 
 
 def test_a_different_batch_without_reset_is_refused_without_writing():

@@ -3,7 +3,8 @@
 Graphs are counted with `torch._dynamo.testing.CompileCounter` (it traces but does not compile, to keep CI fast);
 every call's tokens and scores are compared with upstream's DynamicCache. `fullgraph=True`: a graph break would fail
 the call instead of adding a graph. Upstream's `cache_implementation="static"` recompiles along the same stream;
-that contrast is measured by `transformers_flexcache.compile_bench` (docs/compile.md), not asserted here.
+that contrast is measured by `transformers-flexcache bench` with compiled strategies (docs/compile.md), not asserted
+here.
 """
 
 from __future__ import annotations

@@ -53,6 +53,9 @@ def _varied_t5_config(num_layers: int = 2):
     # With the default init the tiny T5 predicts the pad token at every step; larger weights make varied tokens
     # while the logits stay moderate (|logit| < 45).
     config.initializer_factor = 3.0
+    # The zoo's T5 is v1.1-style (untied, unscaled); this one keeps t5-small's d_model**-0.5 output scaling, which
+    # transformers' own exporter drops: the export must keep it.
+    config.scale_decoder_outputs = True
     config.num_layers = config.num_decoder_layers = num_layers
     return config
 
@@ -217,7 +220,7 @@ def test_exported_encoder_decoder_matches_eager_for_every_shape_with_one_program
 
 def test_exported_t5_logits_keep_the_d_model_output_scaling(t5):
     upstream, programs = t5
-    # tests/model_cases.py unties the tiny T5's output embeddings but keeps their d_model**-0.5 scaling, as t5-small.
+    # _varied_t5_config keeps the d_model**-0.5 output scaling of t5-small (with untied output embeddings).
     assert upstream.config.scale_decoder_outputs
     inputs = T5_VARIED.make_inputs(2, 5, torch.Generator().manual_seed(3))
     decoder_input_ids = torch.zeros(2, 1, dtype=torch.long)

@@ -49,8 +49,7 @@ def test_stream_of_calls_matches_dynamic_cache_on_one_storage(case, attn):
         if flex.config.is_encoder_decoder:
             want = expected.cache.cross_attention_cache.get_seq_length()
             assert actual.cache.cross_attention_cache.get_seq_length() == want == length
-        if case.returns_flexible_cache:
-            assert actual.cache is flex.flexible_cache
+        assert actual.cache is flex.flexible_cache  # the cache that ran the call, not a copy (Whisper's too)
         pointers.append(flex.flexible_cache.data_ptrs())
     assert all(p == pointers[0] for p in pointers), "the storage was reallocated within capacity"
     assert flex.flexible_cache.num_allocations == (2 if flex.config.is_encoder_decoder else 1)
@@ -76,9 +75,12 @@ def test_capacities_default_to_the_first_call_and_grow_once_with_a_warning(case,
         )
     assert_same_generation(expected, actual)
     assert "max_batch_size" in caplog.text and "cache_config" in caplog.text
-    assert flex.flexible_cache is first
-    assert first.num_allocations > allocations
-    assert first.max_batch_size == 3
+    grown = flex.flexible_cache
+    assert grown.data_ptrs() != first.data_ptrs() and grown.num_allocations > allocations
+    assert grown.max_batch_size == 3
+    # The second call reused the first one's storage, so the cache object the first call returned says so on use.
+    with pytest.raises(ValueError, match=r"reused its storage; call cache.detach\(\)"):
+        first.get_seq_length()
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -153,25 +155,37 @@ def test_encoder_length_over_capacity_names_max_encoder_len(case):
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_settings_saved_in_a_generation_config_are_used(case, tmp_path):
+def test_settings_saved_in_a_generation_config_are_used_and_the_file_loads_without_the_plugin(case, tmp_path):
     upstream, flex = case.build()
-    saved = GenerationConfig(
-        cache_implementation="flexible_static",
-        cache_config={"max_batch_size": 5, "max_cache_len": 30, "max_encoder_len": 14},
-        max_new_tokens=4,
-        do_sample=False,
-        **case.generate_kwargs,
-    )
-    saved.save_pretrained(tmp_path)
+    flex.generation_config.update(max_new_tokens=4, do_sample=False, **case.generate_kwargs)
+    # Set as attributes (update() would validate the name, which upstream only knows after register()).
+    flex.generation_config.cache_implementation = "flexible_static"
+    flex.generation_config.cache_config = {"max_batch_size": 5, "max_cache_len": 30, "max_encoder_len": 14}
+    flex.save_pretrained(tmp_path)
+    # Upstream's own loader reads it (it validates cache_implementation, which the saved form leaves unset).
     loaded = GenerationConfig.from_pretrained(tmp_path)
-    assert loaded.cache_implementation == "flexible_static"
+    assert loaded.cache_implementation is None
+    assert loaded.flexible_static == {"max_batch_size": 5, "max_cache_len": 30, "max_encoder_len": 14}
 
     inputs = case.make_inputs(2, 6, torch.Generator().manual_seed(6))
     expected = upstream.generate(**inputs, max_new_tokens=4, do_sample=False, **case.generate_kwargs)
-    actual = flex.generate(**inputs, generation_config=loaded)
+    for generate_kwargs in ({"generation_config": loaded}, {}):
+        reloaded = type(flex).from_pretrained(tmp_path).eval()
+        actual = reloaded.generate(**inputs, **generate_kwargs)
+        assert torch.equal(expected, actual)
+        assert reloaded.flexible_cache.max_batch_size == 5
+        assert reloaded.flexible_cache.max_cache_len == 30
+
+
+def test_a_call_naming_another_cache_overrides_a_saved_flexible_static_request():
+    case = MODEL_CASES[0]
+    upstream, flex = case.build()
+    flex.generation_config.flexible_static = {"max_batch_size": 4}
+    inputs = case.make_inputs(2, 6, torch.Generator().manual_seed(6))
+    expected = upstream.generate(**inputs, max_new_tokens=3, do_sample=False, cache_implementation="static")
+    actual = flex.generate(**inputs, max_new_tokens=3, do_sample=False, cache_implementation="static")
     assert torch.equal(expected, actual)
-    assert flex.flexible_cache.max_batch_size == 5
-    assert flex.flexible_cache.max_cache_len == 30
+    assert flex.flexible_cache is None
 
 
 def test_unknown_cache_config_key_is_refused_before_any_cache_exists():

@@ -28,7 +28,6 @@ from tests.helpers import assert_same_generation, generate_both
 from tests.model_cases import MODEL_CASES
 from transformers_flexcache import convert, register, unregister
 from transformers_flexcache.auto_classes import auto_classes_for, auto_mappings
-from transformers_flexcache.generation import forget_cache_implementation_name
 from transformers_flexcache.registry import flex_model_classes
 
 
@@ -61,7 +60,6 @@ def _global_state():
 def unregistered():
     """Each test starts and ends with nothing registered and the cache name refused."""
     unregister()
-    forget_cache_implementation_name()
     yield
     unregister()
 
@@ -158,6 +156,48 @@ def test_register_accepts_flexible_static_and_an_upstream_model_asked_for_it_is_
     inputs = case.make_inputs(1, 4, torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match=r"does not support cache_implementation='flexible_static'.*convert"):
         upstream.generate(**inputs, cache_implementation="flexible_static", max_new_tokens=2, **case.generate_kwargs)
+
+
+def test_unregister_stays_undone_after_an_override_model_is_built_loaded_and_generates(tmp_path):
+    before = _global_state()
+    register()
+    unregister()
+    case = MODEL_CASES[0]
+    upstream, flex = case.build()
+    flex.save_pretrained(tmp_path)
+    loaded = type(flex).from_pretrained(tmp_path)
+    inputs = case.make_inputs(1, 4, torch.Generator().manual_seed(0))
+    for model in (flex, loaded):
+        model.generate(**inputs, cache_implementation="flexible_static", max_new_tokens=2, **case.generate_kwargs)
+    assert _global_state() == before
+    with pytest.raises(ValueError, match="flexible_static"):
+        GenerationConfig(cache_implementation="flexible_static")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_an_override_model_generates_with_flexible_static_without_register(case):
+    upstream, flex = case.build()
+    before = _global_state()
+    inputs = case.make_inputs(2, 5, torch.Generator().manual_seed(0))
+    expected, actual = generate_both(upstream, flex, inputs, max_new_tokens=3, do_sample=False, **case.generate_kwargs)
+    assert_same_generation(expected, actual)
+    assert _global_state() == before
+
+
+def test_unregister_leaves_a_patch_that_another_library_made_after_register_in_place():
+    register()
+    ours = GenerationMixin.__dict__["_prepare_cache_for_generation"]
+
+    def theirs(self, *args, **kwargs):
+        return ours(self, *args, **kwargs)
+
+    GenerationMixin._prepare_cache_for_generation = theirs
+    try:
+        unregister()
+        assert GenerationMixin.__dict__["_prepare_cache_for_generation"] is theirs
+        assert "flexible_static" not in generation_configuration.ALL_CACHE_IMPLEMENTATIONS
+    finally:
+        GenerationMixin._prepare_cache_for_generation = ours.__wrapped_upstream__
 
 
 @pytest.mark.parametrize("case", CASES)

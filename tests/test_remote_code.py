@@ -22,6 +22,7 @@ from transformers_flexcache.auto_classes import REMOTE_CODE_MODULE, auto_classes
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CASES = [pytest.param(case, id=case.name) for case in MODEL_CASES]
 NEW_TOKENS = 4
+SAVED_CACHE_CONFIG = {"max_batch_size": 4, "max_cache_len": 24}
 
 # Runs in a process that never imports transformers_flexcache itself: only the saved folders lead to it.
 CHILD_SCRIPT = """
@@ -34,6 +35,19 @@ from transformers.models.auto import modeling_auto
 
 jobs = torch.load(sys.argv[1], weights_only=False)
 report = {}
+# First plain transformers: no trust_remote_code, so nothing leads it to transformers_flexcache.
+plain = {}
+for name, job in jobs.items():
+    try:
+        auto_class = getattr(transformers, json.load(open(job["dir"] + "/config.json"))["auto_map"].popitem()[0])
+        generation_config = transformers.GenerationConfig.from_pretrained(job["dir"])
+        model = auto_class.from_pretrained(job["dir"]).eval()
+        out = model.generate(**job["inputs"], **job["generate_kwargs"])
+        plain[name] = {"class": type(model).__name__, "sequences": out.tolist(),
+                       "saved_request": getattr(generation_config, "flexible_static", None)}
+    except Exception:
+        plain[name] = {"error": traceback.format_exc()}
+plain_imported_us = "transformers_flexcache" in sys.modules
 for name, job in jobs.items():
     try:
         config = json.load(open(job["dir"] + "/config.json"))
@@ -58,6 +72,8 @@ for name, job in jobs.items():
         report[name] = {"loaded": loaded, "registered": registered}
     except Exception:
         report[name] = {"error": traceback.format_exc()}
+    report[name]["plain"] = plain[name]
+    report[name]["plain_imported_us"] = plain_imported_us
 print("REPORT" + json.dumps(report))
 """
 
@@ -80,6 +96,9 @@ def fresh_process(tmp_path_factory):
     for case in MODEL_CASES:
         upstream, flex = case.build()
         inputs = case.make_inputs(2, 5, torch.Generator().manual_seed(0))
+        # A folder that asks for the flexible cache by default (saved where upstream does not validate it).
+        flex.generation_config.cache_implementation = "flexible_static"
+        flex.generation_config.cache_config = SAVED_CACHE_CONFIG
         flex.save_pretrained(root / case.name)
         expected[case.name] = upstream.generate(**inputs, **_generate_kwargs(case)).tolist()
         jobs[case.name] = {
@@ -122,7 +141,10 @@ def test_save_pretrained_writes_an_auto_map_for_every_upstream_auto_class_and_th
     assert sorted(auto_map) == sorted(auto_class.__name__ for auto_class in auto_classes_for(upstream_class))
     assert set(auto_map.values()) == {f"{REMOTE_CODE_MODULE}.{case.flex_class.__name__}"}
     module = (tmp_path / f"{REMOTE_CODE_MODULE}.py").read_text()
-    assert f"from {case.flex_class.__module__} import {case.flex_class.__name__}\n" in module
+    # Only the package's stable, public entry point: no module path that a refactor could move.
+    assert "from transformers_flexcache.saved import override_class\n" in module
+    assert f'{case.flex_class.__name__} = override_class("{case.flex_class.__name__}", format_version=1)' in module
+    assert "model_overrides" not in module
     assert not hasattr(flex.config, "auto_map"), "save_pretrained left auto_map on the model's config"
 
 
@@ -179,3 +201,25 @@ def test_a_fresh_process_loads_the_override_with_trust_remote_code_and_generates
     assert sorted(path.name for path in resaved.glob("*.py")) == [f"{REMOTE_CODE_MODULE}.py"]
     original_map = json.loads((root / case.name / "config.json").read_text())["auto_map"]
     assert json.loads((resaved / "config.json").read_text())["auto_map"] == original_map
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_fresh_process_with_plain_transformers_loads_the_saved_folder_and_generates_without_the_plugin(
+    case, fresh_process
+):
+    _, report, expected = fresh_process
+    plain = report[case.name]["plain"]
+    assert "error" not in plain, plain.get("error")
+    assert plain["class"] == case.flex_class.flex_upstream_class().__name__
+    assert plain["saved_request"] == SAVED_CACHE_CONFIG  # kept, unread by upstream
+    assert plain["sequences"] == expected[case.name]
+    assert report[case.name]["plain_imported_us"] is False
+
+
+def test_a_saved_folder_naming_a_class_this_version_lacks_says_to_upgrade():
+    from transformers_flexcache.saved import override_class
+
+    with pytest.raises(ValueError, match=r"no override class 'FlexNothingForCausalLM'.*upgrade"):
+        override_class("FlexNothingForCausalLM", format_version=1)
+    with pytest.raises(ValueError, match=r"format 99.*upgrade"):
+        override_class("FlexLlamaForCausalLM", format_version=99)

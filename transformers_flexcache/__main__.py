@@ -11,7 +11,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import bench
+    from .bench import command as bench
 
     parser = argparse.ArgumentParser(
         prog="transformers-flexcache",

@@ -5,8 +5,9 @@ Design decisions:
   `transformers.models.auto.modeling_auto` whose entry for the upstream `model_type` names the upstream class we
   override (T5: `AutoModelForSeq2SeqLM` and `AutoModelForPreTraining`). `register()` edits those mappings, and
   `save_pretrained` writes those auto classes into `config.json`'s `auto_map`, so a new override needs no list here.
-- The folder saved by an override model holds a small `modeling_flexcache.py` that *imports* the override class from
-  the installed package, instead of upstream's mechanism (`register_for_auto_class` + `custom_object_save`), which
+- The folder saved by an override model holds a small `modeling_flexcache.py` that *takes* the override class from
+  the installed package by its name, through one public, versioned entry point (`transformers_flexcache.saved`), so
+  that no later move of our modules breaks a saved folder; instead of upstream's mechanism (`register_for_auto_class` + `custom_object_save`), which
   copies the file that defines the class. A copy would be a second, stale class outside the package; the import
   gives the package's own class at the installed version, so `from_pretrained(dir, trust_remote_code=True)` in a
   process that never called `register()` builds exactly the class `register()` would have given.
@@ -26,13 +27,15 @@ REMOTE_CODE_MODULE = "modeling_flexcache"
 
 _MODULE_TEMPLATE = '''"""Written by transformers-flexcache's `save_pretrained`: the model classes of this folder.
 
-It holds no model code. `AutoModel*.from_pretrained(<this folder>, trust_remote_code=True)` imports the override
-class from the installed transformers-flexcache package (`pip install transformers-flexcache`), so the model runs
-the package's code at the installed version. Without `trust_remote_code`, transformers loads this folder into its
-own class ({upstream_name}).
+It holds no model code. `AutoModel*.from_pretrained(<this folder>, trust_remote_code=True)` takes the override class
+from the installed transformers-flexcache package (`pip install transformers-flexcache`), through its stable entry
+point `transformers_flexcache.saved.override_class`, so the model runs the package's code at the installed version.
+Without `trust_remote_code`, transformers loads this folder into its own class ({upstream_name}).
 """
 
-from {module} import {name}
+from transformers_flexcache.saved import override_class
+
+{name} = override_class("{name}", format_version={format_version})
 
 __all__ = ["{name}"]
 '''
@@ -81,8 +84,12 @@ def write_remote_code_module(flex_class: type, save_directory: str | os.PathLike
         `str`: the path of the written file.
     """
     path = os.path.join(save_directory, f"{REMOTE_CODE_MODULE}.py")
+    from .saved import FORMAT_VERSION
+
     source = _MODULE_TEMPLATE.format(
-        module=flex_class.__module__, name=flex_class.__name__, upstream_name=flex_class.flex_upstream_class().__name__
+        name=flex_class.__name__,
+        upstream_name=flex_class.flex_upstream_class().__name__,
+        format_version=FORMAT_VERSION,
     )
     with open(path, "w", encoding="utf-8") as file:
         file.write(source)

@@ -21,6 +21,7 @@ from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
 
 from .auto_classes import auto_map_for, write_remote_code_module
 from .generation import FlexCacheGenerationMixin
+from .request import normalize_saved_form
 
 
 def swap_module_classes(model: nn.Module, module_classes: dict[type, type]) -> int:
@@ -54,7 +55,11 @@ class FlexModelMixin(FlexCacheGenerationMixin):
     @classmethod
     def flex_upstream_class(cls) -> type:
         """The upstream model class this override stands for (the first base after the mixins)."""
-        return next(base for base in cls.__mro__[1:] if not issubclass(base, FlexCacheGenerationMixin))
+        return next(
+            base
+            for base in cls.__mro__[1:]
+            if issubclass(base, PreTrainedModel) and not issubclass(base, FlexCacheGenerationMixin)
+        )
 
     @classmethod
     def register_for_auto_class(cls, auto_class="AutoModel"):
@@ -95,6 +100,8 @@ class FlexModelMixin(FlexCacheGenerationMixin):
                 "modeling_flexcache.py is written; save with push_to_hub=False, or call model.push_to_hub(repo_id), "
                 "which saves through save_pretrained and uploads the whole folder"
             )
+        # A request for flexible_static is saved where upstream does not validate it: the folder loads without us.
+        normalize_saved_form(self.generation_config)
         save_on_this_rank = self.should_save_on_this_rank(is_main_process)
         had_auto_map = "auto_map" in vars(self.config)
         previous = self.config.auto_map if had_auto_map else None

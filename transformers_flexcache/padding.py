@@ -1,38 +1,59 @@
-"""Fixed shapes for `shape_policy="padded"`: pad a generate call to the cache's capacities, cut the outputs back.
+"""Shape policies: what a call gets around upstream's `generate` so that a compiled step sees fixed shapes.
+
+`policy_for(model, ...)` is the one place that maps `CacheConfig.shape_policy` to behaviour:
+- `"exact"` (`ExactPolicy`): nothing is added; each call runs at its own shapes.
+- `"padded"` (`PaddedPolicy`): every call is padded to the capacities, for `torch.compile` and CUDA graphs.
 
 Shape legend: `B` the call's batch, `B_pad` the padded batch (`max_batch_size // max(num_beams,
 num_return_sequences)`), `P` prompt length, `P_pad` = `max_prompt_len`, `L_enc` encoder length, `L_enc_max` =
 `max_encoder_len`.
 
-Design decisions:
+Design decisions (padded):
 - Padding happens around upstream's `generate`, not inside the model: everything upstream does (special tokens,
   beam expansion, logits processors, the cache, masks) then sees one batch and one prompt length, and a compiled
   forward sees the same shapes on every call. The model code is not touched. (Whisper's generate calls upstream's
   once per segment and fallback: each of those calls is padded, see `FlexCacheInnerGenerateMixin`.)
+- The capacities padded to are planned before the call, from what the model's caches of that kind hold, what the
+  call's `cache_config` sets and what the call needs (`plan_capacities`): a call over a limit with
+  `on_overflow="error"` is refused before anything is padded.
 - Padding rows repeat the call's first input (finite values, a real mask: no row is fully masked, nothing can turn
   into NaN), and a stopping criterion marks them finished from the first step, so they never keep generation going:
   `generate` stops when the real rows stop, exactly as for the unpadded call. Rows never mix in attention, so the
   real rows' tokens and scores are those of the unpadded call (up to float summation order).
 - Decoder-only prompts are left-padded to `max_prompt_len` with masked pad tokens, so that the prefill has one shape
-  too. Positions come from the mask (`cumsum`), so real tokens keep theirs. Lengths given as `max_length` /
-  `min_length` are turned into new-token counts of the real prompt first.
-- Encoder outputs and their mask are right-padded to `max_encoder_len` with mask zeros (in
-  `FlexCacheGenerationMixin._prepare_cache_for_generation`, after the encoder ran at the call's own length), and a
-  mask of ones is made when the call has none: a padded cross-attention cache without a mask would attend to the
-  padding, which is the silent error upstream has with long caches. The mask is the model input that the model's
-  decoder reads for cross-attention (`attention_mask`; Whisper's `encoder_attention_mask`).
+  too. A call without an `attention_mask` gets the one upstream would infer (`input_ids != pad_token_id` where that
+  can be inferred) before padding, so pad tokens in the prompt stay masked. Positions come from the mask (`cumsum`),
+  so real tokens keep theirs. Lengths given as `max_length` / `min_length` become new-token counts of the real prompt.
+- Encoder outputs and their mask are right-padded to `max_encoder_len` with mask zeros (when the cache is prepared,
+  after the encoder ran at the call's own length), and a mask of ones is made when the call has none: a padded
+  cross-attention cache without a mask would attend to the padding, which is the silent error upstream has with long
+  caches. The mask is the model input that the model's decoder reads for cross-attention (`attention_mask`;
+  Whisper's `encoder_attention_mask`).
 - Outputs are cut back: every batch-major tensor to its real rows, `sequences` also to the real prompt's columns.
   Attention weights and hidden states keep the padded lengths, and the returned cache holds the padded rows.
 """
 
 from __future__ import annotations
 
+import copy
+import inspect
+import threading
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers import masking_utils
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 from transformers.utils import ModelOutput
+
+from .cache import CacheConfig, plan_capacities
+from .cache.config import overflow_message
+from .log import get_logger
+from .ownership import pool_of
+from .request import cache_config_of, requested_cache_config
+
+logger = get_logger(__name__)
+_active = threading.local()  # the PaddedCalls of this thread's running generate calls, innermost last
 
 # Decoder-only inputs that have one entry per prompt token, and the value that pads them on the left.
 PER_TOKEN_INPUTS = {
@@ -88,8 +109,9 @@ def pad_rows(value, batch_size: int, padded_batch_size: int):
 def left_pad_prompt(model_inputs: dict, *, prompt_len: int, num_pad: int, pad_token_id: int) -> dict:
     """Left-pad the per-token decoder-only inputs of `model_inputs` by `num_pad` positions.
 
-    `input_ids` are padded with `pad_token_id`, `attention_mask` with zeros (a mask of ones is made first if there is
-    none), the others with zeros. Inputs whose second axis is not `prompt_len` are left as they are.
+    `input_ids` are padded with `pad_token_id`, `attention_mask` with zeros, the others with zeros. The caller gives
+    the mask upstream would infer when the call has none (`infer_attention_mask`); a mask of ones is made only when
+    there is still none. Inputs whose second axis is not `prompt_len` are left as they are.
     """
     # input_ids: [B, P] -> [B, P_pad]; inputs_embeds: [B, P, d] -> [B, P_pad, d]
     padded = dict(model_inputs)
@@ -203,3 +225,164 @@ class PaddedCall:
         for key, value in list(output.items()):
             output[key] = self.cut_sequences(value) if key == "sequences" else self.cut_rows(value)
         return output
+
+
+def infer_attention_mask(model, resolved, inputs_tensor: torch.Tensor, model_kwargs: dict) -> torch.Tensor:
+    """The attention mask upstream's `generate` would build for a call that has none (transformers==5.24.0:
+    `_prepare_special_tokens` then `_prepare_attention_mask_for_generation`): `input_ids != pad_token_id` where a pad
+    token occurs and differs from EOS, else ones. Computed on a copy of `resolved`."""
+    # inputs_tensor: [B, P] -> [B, P]
+    resolved = copy.deepcopy(resolved)
+    model._prepare_special_tokens(resolved, False, device=inputs_tensor.device, batch_size=inputs_tensor.shape[0])
+    return model._prepare_attention_mask_for_generation(inputs_tensor, resolved, dict(model_kwargs))
+
+
+class ExactPolicy:
+    """`shape_policy="exact"`: each call runs at its own shapes; nothing is added around `generate`."""
+
+    name = "exact"
+
+    def generate(self, model, upstream_generate, args: tuple, kwargs: dict):
+        return upstream_generate(*args, **kwargs)
+
+    def prepare_model_kwargs(self, model, generation_config, model_kwargs: dict, config: CacheConfig) -> dict:
+        """Change the model kwargs of a call before its cache is leased; returns what the call needs beyond them."""
+        return {}
+
+
+class PaddedPolicy:
+    """`shape_policy="padded"`: each call is padded to the capacities, and its outputs cut back (module docstring)."""
+
+    name = "padded"
+
+    def generate(self, model, upstream_generate, args: tuple, kwargs: dict):
+        """`upstream_generate(*args, **kwargs)`, padded to fixed shapes and cut back."""
+        signature = inspect.signature(upstream_generate)
+        arguments = signature.bind(*args, **kwargs).arguments
+        var_keyword = next(p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD)
+        extra = dict(arguments.pop(var_keyword, {}))
+        resolved, model_kwargs = model._prepare_generation_config(arguments.get("generation_config"), **extra)
+        config = requested_cache_config(resolved)
+        if config is None or config.shape_policy != self.name or extra.get("cache") is not None:
+            return upstream_generate(*args, **kwargs)  # another cache, or a continuation: run as asked
+        main_param = next(iter(signature.parameters))  # `inputs` (GenerationMixin) or e.g. `input_features`
+        call = self._pad_call(model, resolved, config, arguments, extra, model_kwargs, main_param=main_param)
+        if "stopping_criteria" in signature.parameters:
+            arguments["stopping_criteria"] = call.stopping_criteria(arguments.get("stopping_criteria"))
+        stack = _active.__dict__.setdefault("calls", [])
+        stack.append(call)
+        try:
+            output = upstream_generate(**arguments, **extra)
+        finally:
+            stack.pop()
+        return call.cut(output)
+
+    def _planned(self, model, config: CacheConfig, need: dict) -> dict:
+        """The capacities a call needing `need` runs at: what the model's caches of this kind hold, what `config`
+        sets, and the need; refused here (before anything is padded) over a limit with `on_overflow="error"`."""
+        held = pool_of(model).capacities(model._flexible_cache_kind(config))
+        target, exceeded = plan_capacities(held, need, config)
+        if exceeded and config.on_overflow == "error":
+            raise ValueError(overflow_message(exceeded))
+        return target
+
+    def _pad_call(self, model, resolved, config, arguments: dict, extra: dict, model_kwargs: dict, *, main_param):
+        """Pad the batch (and decoder-only prompts) of a generate call in `arguments`/`extra`, in place."""
+        inputs = arguments.pop(main_param, None)
+        inputs_tensor, input_name, _ = model._prepare_model_inputs(inputs, resolved.bos_token_id, dict(model_kwargs))
+        batch_size, prompt_len = inputs_tensor.shape[0], inputs_tensor.shape[1]
+        expand = max(resolved.num_beams or 1, resolved.num_return_sequences or 1)
+        need = {"max_batch_size": batch_size * expand}
+        if not model.config.is_encoder_decoder:
+            need["max_prompt_len"] = prompt_len
+        planned = self._planned(model, config, need)
+        num_prompt_pad = planned["max_prompt_len"] - prompt_len if "max_prompt_len" in planned else 0
+        call = PaddedCall(
+            batch_size=batch_size,
+            padded_batch_size=max(batch_size, planned["max_batch_size"] // expand),
+            num_prompt_pad=num_prompt_pad,
+            padded_prompt_len=prompt_len + num_prompt_pad,
+        )
+
+        model_inputs = {key: extra[key] for key in model_kwargs if key in extra}
+        # Without a main input, upstream makes placeholders from `encoder_outputs` (-100s of shape [B, L_enc]) only to
+        # count the batch; passed on, they would reach e.g. Whisper's generate as `input_features`.
+        if inputs is not None or extra.get(input_name) is not None or "encoder_outputs" not in model_inputs:
+            model_inputs[input_name] = inputs_tensor
+        if num_prompt_pad and model_inputs.get("attention_mask") is None and input_name == "input_ids":
+            model_inputs["attention_mask"] = infer_attention_mask(model, resolved, inputs_tensor, model_kwargs)
+        model_inputs = {
+            key: pad_rows(value, batch_size, call.padded_batch_size) for key, value in model_inputs.items()
+        }
+        for name in ("negative_prompt_ids", "negative_prompt_attention_mask"):
+            if arguments.get(name) is not None:
+                arguments[name] = pad_rows(arguments[name], batch_size, call.padded_batch_size)
+        ids = model_inputs.get("input_ids")
+        if not (isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] == prompt_len):
+            call.num_prompt_pad = 0  # `sequences` then holds only new tokens: nothing to cut from it
+        if num_prompt_pad:
+            model_inputs = left_pad_prompt(
+                model_inputs, prompt_len=prompt_len, num_pad=num_prompt_pad, pad_token_id=pad_token_id(resolved)
+            )
+            given = (extra, arguments.get("generation_config"), model.generation_config)
+            extra.update(lengths_as_new_tokens(resolved, given, prompt_len=prompt_len))
+        extra.update(model_inputs)
+        return call
+
+    def prepare_model_kwargs(self, model, generation_config, model_kwargs: dict, config: CacheConfig) -> dict:
+        """Right-pad encoder outputs and their mask to the planned `max_encoder_len` (encoder-decoder models); the
+        padded prompt length is what a decoder-only call needs beyond its kwargs (the cache holds it)."""
+        if not model.config.is_encoder_decoder:
+            calls = getattr(_active, "calls", None)
+            return {"max_prompt_len": calls[-1].padded_prompt_len} if calls else {}
+        if model_kwargs.get("encoder_outputs") is not None:
+            encoder_len = model_kwargs["encoder_outputs"][0].shape[1]
+            planned = self._planned(model, config, {"max_encoder_len": encoder_len})
+            pad_encoder_outputs(model_kwargs, planned["max_encoder_len"], mask_key=model._flex_encoder_mask_key)
+        return {}
+
+
+POLICIES = {policy.name: policy for policy in (ExactPolicy(), PaddedPolicy())}
+
+
+def policy_for(model, args: tuple, kwargs: dict, *, config: CacheConfig | None = None):
+    """The shape policy of a call: from `config` when it is known, else from a cheap look at every `cache_config`
+    in reach of the call (its kwargs, its `generation_config`, the model's), which `PaddedPolicy.generate` resolves."""
+    if config is not None:
+        return POLICIES[config.shape_policy]
+    generation_config = kwargs.get("generation_config", args[1] if len(args) > 1 else None)
+    for source in (
+        kwargs.get("cache_config"),
+        cache_config_of(generation_config),
+        cache_config_of(model.generation_config),
+    ):
+        if source is not None and CacheConfig.parse(source).shape_policy != "exact":
+            return POLICIES[CacheConfig.parse(source).shape_policy]
+    return POLICIES["exact"]
+
+
+class FixedShapeMasksMixin:
+    """Builds the masks of fixed-shape calls the same way at every call (a base of `FlexCacheGenerationMixin`)."""
+
+    def create_masks_for_generate(self, **mask_kwargs):
+        """The hook `GenerationMixin.prepare_inputs_for_generation` (transformers==5.24.0) calls for compileable caches.
+
+        Differences from upstream's (the model's own, else `masking_utils.create_masks_for_generate`): with a padded
+        flexible cache, a full-attention mask that SDPA would drop in favour of `is_causal` (a prompt without padding)
+        is built anyway. Otherwise whether a prefill gets a mask would depend on the values of the call's attention
+        mask, and a compiled prefill would compile once with a mask and once without.
+        """
+        upstream = getattr(super(), "create_masks_for_generate", masking_utils.create_masks_for_generate)
+        masks = upstream(**mask_kwargs)
+        cache = mask_kwargs.get("cache")
+        if getattr(cache, "shape_policy", None) != PaddedPolicy.name:
+            return masks
+        full_kwargs = {
+            key: mask_kwargs.get(key) for key in ("inputs_embeds", "attention_mask", "cache", "position_ids")
+        }
+        full_kwargs["config"] = mask_kwargs["config"].get_text_config()
+        if masks is None:
+            return masking_utils.create_causal_mask(**full_kwargs, allow_is_causal_skip=False)
+        if isinstance(masks, dict) and "full_attention" in masks and masks["full_attention"] is None:
+            masks["full_attention"] = masking_utils.create_causal_mask(**full_kwargs, allow_is_causal_skip=False)
+        return masks

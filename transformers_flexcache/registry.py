@@ -1,10 +1,14 @@
 """Registration of the override models with transformers' AutoModel classes, and in-place conversion.
 
 Design decisions:
-- Nothing happens at import. `register()` maps each supported upstream config class to its override in every
-  AutoModel mapping where upstream maps it to the class we override (e.g. `T5Config` in `AutoModelForSeq2SeqLM`),
-  and makes `cache_implementation="flexible_static"` a valid name. It is idempotent; `unregister()` restores the
-  mappings exactly as they were.
+- Nothing happens at import, and nothing of upstream is captured then. `register()` maps each supported upstream
+  config class to its override in every AutoModel mapping where upstream maps it to the class we override (e.g.
+  `T5Config` in `AutoModelForSeq2SeqLM`), and makes `cache_implementation="flexible_static"` a valid name for any
+  `GenerationConfig`. So that an upstream model asked for that name fails loudly instead of silently using a
+  DynamicCache, `GenerationMixin._prepare_cache_for_generation` is wrapped to refuse it, with a hint.
+- `register()` is idempotent; `unregister()` puts back exactly what `register()` found, the moment it ran. Nothing
+  else ever patches upstream: our model classes accept the name on their own (see `generation.py`), so neither their
+  construction nor their `generate` touches upstream.
 - `convert(model)` turns a loaded upstream model into its override in place (class swaps, no weight copies).
 """
 
@@ -12,16 +16,21 @@ from __future__ import annotations
 
 import importlib
 
+from transformers.generation import configuration_utils as generation_configuration
+from transformers.generation.utils import GenerationMixin
+
 from .auto_classes import auto_mappings, maps_to
-from .generation import accept_cache_implementation_name, forget_cache_implementation_name
 from .modeling import FlexModelMixin, swap_module_classes
+from .request import FLEXIBLE_STATIC
 
 # model_type -> module under model_overrides/ that defines its override classes (`FLEX_MODEL_CLASSES`).
 SUPPORTED_MODEL_TYPES = ("llama", "t5", "bart", "whisper", "jamba", "pix2struct")
 
 _MISSING = object()
-# (mapping, config class) -> what mapping._extra_content held before register(), to restore it exactly.
+# What register() replaced, to restore it exactly: (mapping id, config class) -> the previous entry, and the
+# previous names tuple and `_prepare_cache_for_generation`.
 _saved: dict[tuple[int, type], object] = {}
+_saved_upstream: dict[str, object] = {}
 
 
 def flex_model_classes() -> list[type[FlexModelMixin]]:
@@ -33,13 +42,54 @@ def flex_model_classes() -> list[type[FlexModelMixin]]:
     return classes
 
 
+def _refusing(previous):
+    def _prepare_cache_for_generation(self, generation_config, *args, **kwargs):
+        # Installed on GenerationMixin by register(): an upstream model asked for our name would otherwise fall
+        # through to a DynamicCache and silently ignore the request. Our models override this method.
+        if generation_config.cache_implementation == FLEXIBLE_STATIC:
+            raise ValueError(
+                f"{type(self).__name__} does not support cache_implementation={FLEXIBLE_STATIC!r}: it is upstream's "
+                "class. Load it after transformers_flexcache.register() (AutoModel classes then return the "
+                "override), or convert it in place with transformers_flexcache.convert(model)"
+            )
+        return previous(self, generation_config, *args, **kwargs)
+
+    _prepare_cache_for_generation._flexcache_refuses = True
+    _prepare_cache_for_generation.__wrapped_upstream__ = previous
+    return _prepare_cache_for_generation
+
+
+def _accept_name() -> None:
+    if "names" in _saved_upstream:
+        return
+    names = generation_configuration.ALL_CACHE_IMPLEMENTATIONS
+    _saved_upstream["names"] = names
+    _saved_upstream["prepare"] = GenerationMixin.__dict__["_prepare_cache_for_generation"]
+    if FLEXIBLE_STATIC not in names:
+        generation_configuration.ALL_CACHE_IMPLEMENTATIONS = names + (FLEXIBLE_STATIC,)
+    GenerationMixin._prepare_cache_for_generation = _refusing(_saved_upstream["prepare"])
+
+
+def _forget_name() -> None:
+    if "names" not in _saved_upstream:
+        return
+    names = generation_configuration.ALL_CACHE_IMPLEMENTATIONS
+    if FLEXIBLE_STATIC in names and FLEXIBLE_STATIC not in _saved_upstream["names"]:
+        generation_configuration.ALL_CACHE_IMPLEMENTATIONS = tuple(name for name in names if name != FLEXIBLE_STATIC)
+    current = GenerationMixin.__dict__.get("_prepare_cache_for_generation")
+    if getattr(current, "_flexcache_refuses", False):
+        GenerationMixin._prepare_cache_for_generation = _saved_upstream["prepare"]
+    _saved_upstream.clear()
+
+
 def register() -> None:
     """Return the override classes from AutoModel classes, and accept `cache_implementation="flexible_static"`.
 
     After it, e.g. `AutoModelForSeq2SeqLM.from_config(T5Config(...))` and `.from_pretrained(dir)` build
-    `FlexT5ForConditionalGeneration`. Idempotent; undone by `unregister()`.
+    `FlexT5ForConditionalGeneration`, and an upstream model asked for the name raises with a hint. Idempotent;
+    undone by `unregister()`.
     """
-    accept_cache_implementation_name()
+    _accept_name()
     for flex_class in flex_model_classes():
         upstream = flex_class.flex_upstream_class()
         config_class = upstream.config_class
@@ -53,7 +103,8 @@ def register() -> None:
 
 
 def unregister() -> None:
-    """Undo `register()`: AutoModel classes return upstream's classes again, and the cache name is refused."""
+    """Undo `register()`: AutoModel classes return upstream's classes again, and upstream's `GenerationConfig`
+    refuses the name again (our model classes still accept it on their own)."""
     mappings = {id(mapping): mapping for mapping in auto_mappings()}
     for (mapping_id, config_class), previous in _saved.items():
         mapping = mappings[mapping_id]
@@ -62,7 +113,11 @@ def unregister() -> None:
         else:
             mapping._extra_content[config_class] = previous
     _saved.clear()
-    forget_cache_implementation_name()
+    _forget_name()
+
+
+def is_registered() -> bool:
+    return "names" in _saved_upstream
 
 
 def convert(model):
@@ -78,7 +133,6 @@ def convert(model):
     if flex_class is None:
         supported = sorted(upstream.__name__ for upstream in by_upstream)
         raise TypeError(f"{type(model).__name__} has no flexcache override; supported classes are {supported}")
-    accept_cache_implementation_name()
     model.__class__ = flex_class
     swap_module_classes(model, flex_class._flex_module_classes)
     return model

@@ -52,9 +52,9 @@ def test_flexible_static_turns_the_cache_on_although_the_text_config_defaults_us
 
 def test_a_generation_config_naming_flexible_static_turns_the_cache_on_and_stays_unchanged():
     upstream, flex = PIX2STRUCT.build()
-    config = GenerationConfig(
-        cache_implementation="flexible_static", cache_config=LARGE, max_new_tokens=4, do_sample=False, **OUTPUTS
-    )
+    # The form a GenerationConfig holds the request in without register() (register() also accepts
+    # cache_implementation="flexible_static" there).
+    config = GenerationConfig(flexible_static=LARGE, max_new_tokens=4, do_sample=False, **OUTPUTS)
     inputs = _patches(2, 7, seed=21)
     expected = _reference(upstream, inputs, max_new_tokens=4, do_sample=False)
     actual = flex.generate(**inputs, generation_config=config)

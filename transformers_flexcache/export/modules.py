@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.export import Dim, ExportedProgram
 
-from ..cache import _layer_shapes
+from ..cache import layer_specs_from_config
 from ..modeling import FlexModelMixin
 from .cache_views import (
     BufferViewCrossAttentionCache,
@@ -68,8 +68,8 @@ def _check_capacities(**capacities: int) -> None:
 class _ExportableBase(nn.Module):
     def _register_self_attention_buffers(self, model: nn.Module) -> None:
         self.num_layers = 0
-        for i, (_, num_heads, head_dim) in enumerate(_layer_shapes(model.config)):
-            shape = (self.max_batch_size, num_heads, self.max_cache_len, head_dim)
+        for i, spec in enumerate(layer_specs_from_config(model.config)):
+            shape = (self.max_batch_size, spec.num_heads, self.max_cache_len, spec.k_head_dim)
             self.register_buffer(f"self_keys_{i}", torch.zeros(shape, dtype=model.dtype), persistent=False)
             self.register_buffer(f"self_values_{i}", torch.zeros(shape, dtype=model.dtype), persistent=False)
             self.num_layers += 1
@@ -136,8 +136,13 @@ class ExportableEncoderDecoder(_ExportableBase):
         self.model = model
         self.max_batch_size, self.max_cache_len, self.max_encoder_len = max_batch_size, max_cache_len, max_encoder_len
         self._register_self_attention_buffers(model)
-        for i, (_, num_heads, head_dim) in enumerate(_layer_shapes(model.config)):
-            shape = (max_batch_size, num_heads, max_encoder_len + 1, head_dim)  # + 1: see the module docstring
+        for i, spec in enumerate(layer_specs_from_config(model.config)):
+            shape = (
+                max_batch_size,
+                spec.num_heads,
+                max_encoder_len + 1,
+                spec.k_head_dim,
+            )  # + 1: see the module docstring
             self.register_buffer(f"cross_keys_{i}", torch.zeros(shape, dtype=model.dtype), persistent=False)
             self.register_buffer(f"cross_values_{i}", torch.zeros(shape, dtype=model.dtype), persistent=False)
         hidden_size = model.config.get_text_config(decoder=True).hidden_size

@@ -12,13 +12,11 @@ from transformers import DynamicCache
 
 from tests.model_cases import LLAMA
 from transformers_flexcache.__main__ import main
-from transformers_flexcache.bench import BASELINE, STRATEGIES, Strategy
-from transformers_flexcache.bench_measure import FIGURES, CacheStorageTracker
-from transformers_flexcache.bench_models import DEFAULT_MODELS
+from transformers_flexcache.bench.command import BASELINE, STRATEGIES
+from transformers_flexcache.bench.measure import FIGURES, CacheStorageTracker
+from transformers_flexcache.bench.models import DEFAULT_MODELS
 from transformers_flexcache.cache import FlexibleStaticCache
 
-# Present since the first release; other models join when their override is merged.
-ALWAYS_RUN = ("t5", "llama")
 # Figures that only torch strategies report (CTranslate2 exposes no cache allocations or compiled graphs).
 TORCH_ONLY = {"cache_allocations", "cache_bytes_allocated", "peak_cache_bytes", "compiled_graphs"}
 
@@ -41,18 +39,13 @@ def test_quick_bench_exits_zero_and_says_every_output_equals_dynamic_cache(quick
     assert report["outputs_equal"] is True
     assert report["failures"] == []
     # dynamic is compared with nothing; each other strategy with it on every call
-    assert report["num_compared_calls"] >= len(ALWAYS_RUN) * 2 * report["settings"]["calls"]
+    assert report["num_compared_calls"] >= len(DEFAULT_MODELS) * 2 * report["settings"]["calls"]
 
 
 @pytest.mark.parametrize("model_name", DEFAULT_MODELS)
 def test_quick_bench_json_has_every_figure_for_every_strategy_of_each_model(quick_run, model_name):
     _, report, _ = quick_run
     model = report["models"][model_name]
-    if model["skipped"]:
-        # Only a model whose override is not merged yet may be left out, and the report says so.
-        assert model_name not in ALWAYS_RUN
-        assert "no override" in model["skipped"]
-        return
     strategies = model["strategies"]
     assert {BASELINE, "static", "flexible_static-exact"} <= set(strategies)
     for name, figures in strategies.items():
@@ -94,13 +87,6 @@ def test_storage_tracker_counts_each_new_dynamic_cache_storage_and_never_a_reuse
     tracker.observe(flexible)
     assert tracker.allocations == 2 * config.num_hidden_layers
     assert tracker.bytes_allocated == flexible.nbytes
-
-
-def test_a_strategy_with_a_cache_config_key_this_installation_lacks_reports_why_it_cannot_run():
-    strategy = Strategy("flexible_static-future", cache_implementation="flexible_static", cache_config={"future": 1})
-    reason = strategy.unsupported_reason()
-    assert reason is not None and "future" in reason
-    assert Strategy("flexible_static-exact", cache_implementation="flexible_static").unsupported_reason() is None
 
 
 def test_compiled_strategies_run_only_when_named():

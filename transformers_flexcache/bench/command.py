@@ -5,9 +5,8 @@ Design decisions:
   number of new tokens: `min_new_tokens = max_new_tokens`, greedy, so every call of every strategy decodes exactly
   the same number of steps and the outputs can be compared token for token.
 - Strategies are rows of `STRATEGIES`: a cache implementation, extra `cache_config` keys and whether generate
-  compiles. A strategy whose `cache_config` this installation does not accept (e.g. a shape policy that is not
-  merged yet) is skipped with a note, so adding a mode is one entry. Compiled strategies are not in the default
-  set: compiling on CPU takes minutes.
+  compiles; adding a mode is one entry. Compiled strategies are not in the default set: compiling on CPU takes
+  minutes. Each strategy reports the graphs it compiled.
 - Upstream strategies run on the upstream model, ours on the override model; both hold the same weights.
 - Strategies are interleaved per call, in an order that rotates from call to call, so that a slow moment of a
   shared machine falls on every strategy alike. Each strategy first makes one untimed warm-up call; its
@@ -33,7 +32,8 @@ import torch
 from transformers import CompileConfig, LogitsProcessorList
 from transformers.utils import logging as hf_logging
 
-from .bench_measure import (
+from ..request import FLEXIBLE_STATIC
+from .measure import (
     CacheStorageTracker,
     CallRecord,
     PeakRss,
@@ -43,15 +43,13 @@ from .bench_measure import (
     returned_cache,
     summarize,
 )
-from .bench_models import (
+from .models import (
     BENCH_MODELS,
     DEFAULT_MODELS,
     BenchModel,
     bench_model_for_checkpoint,
     build_models,
-    find_override_class,
 )
-from .generation import FLEXIBLE_STATIC, parse_cache_config
 
 BASELINE = "dynamic"
 
@@ -77,15 +75,6 @@ class Strategy:
     @property
     def flexible(self) -> bool:
         return self.cache_implementation == FLEXIBLE_STATIC
-
-    def unsupported_reason(self) -> str | None:
-        """Why this installation cannot run the strategy, or None."""
-        if self.flexible and self.cache_config:
-            try:
-                parse_cache_config(self.cache_config)
-            except ValueError as error:
-                return f"cache_config={self.cache_config} is not accepted here ({error})"
-        return None
 
     def generate_kwargs(self, capacities: dict[str, int]) -> dict:
         kwargs = {}
@@ -225,7 +214,6 @@ class ModelResult:
     records: dict[str, list[CallRecord]] = field(default_factory=dict)
     warm_ups: dict[str, CallRecord] = field(default_factory=dict)
     mismatches: dict[str, list[int]] = field(default_factory=dict)  # strategy -> calls whose tokens differ
-    skipped: str | None = None
 
     def summary(self) -> dict[str, dict]:
         """Figures per strategy, each with its ratios to DynamicCache and whether its tokens matched."""
@@ -241,12 +229,7 @@ def run_model(model: BenchModel, args, strategies: list[Strategy], log) -> Model
     """Run the stream on `model` under every strategy (and CTranslate2 for T5 when installed)."""
     description = args.model or (f"tiny {model.name} (--quick)" if args.quick else model.description)
     result = ModelResult(model.name, description)
-    flex_class, why_not = find_override_class(model.upstream_class)
     needs_override = any(strategy.flexible for strategy in strategies)
-    if flex_class is None and needs_override:
-        result.skipped = why_not
-        return result
-
     upstream, flex = build_models(
         model, quick=args.quick, checkpoint=args.model, seed=args.seed, with_override=needs_override
     )
@@ -271,8 +254,8 @@ def run_model(model: BenchModel, args, strategies: list[Strategy], log) -> Model
     result.new_tokens = args.new_tokens
     result.capacities = capacities_for(config, result.stream, args.new_tokens)
 
-    # Each flexible strategy gets its own model object (a shallow copy: the same weights) and so its own cache: a
-    # model holds one flexible cache, and a change of shape policy rebuilds it, which interleaving would do per call.
+    # Each flexible strategy gets its own model object (a shallow copy: the same weights) and so its own pool: a pool
+    # holds one cache by default, and a change of shape policy rebuilds it, which interleaving would do per call.
     runners = [
         TorchRunner(strategy, copy.copy(flex) if strategy.flexible else upstream, result.capacities)
         for strategy in strategies
@@ -313,7 +296,7 @@ def run_model(model: BenchModel, args, strategies: list[Strategy], log) -> Model
 
 def _ctranslate2_runner(upstream, threads: int):
     try:
-        from .bench_ctranslate2 import CTranslate2Runner
+        from .ctranslate2 import CTranslate2Runner
     except ImportError:
         return (
             None,
@@ -432,7 +415,7 @@ def _quiet_transformers():
 
 def run(args, parser: argparse.ArgumentParser) -> int:
     """Run the `bench` subcommand; returns the exit status (0: all outputs equal to DynamicCache's)."""
-    from .bench_report import format_footer, format_header, format_model, machine_info, to_json, write_plot
+    from .report import format_footer, format_header, format_model, machine_info, to_json, write_plot
 
     models, strategies = _resolve(args, parser)
     if args.plot:
@@ -443,13 +426,7 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     threads_before = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     log = print
-    selected = []
-    for strategy in strategies:
-        reason = strategy.unsupported_reason()
-        if reason is None:
-            selected.append(strategy)
-        else:
-            log(f"strategy {strategy.name} skipped: {reason}")
+    selected = list(strategies)
 
     machine = machine_info(args.threads)
     print(format_header(machine, args))

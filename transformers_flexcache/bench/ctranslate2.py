@@ -29,7 +29,7 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast
 
-from .bench_measure import CallRecord, PeakRss
+from .measure import CallRecord, PeakRss
 
 NAME = "ctranslate2"
 

@@ -12,7 +12,7 @@ import platform
 import torch
 import transformers
 
-from .bench_measure import FIGURES
+from .measure import FIGURES
 
 MB = 1e6
 
@@ -60,7 +60,6 @@ def _model_json(result) -> dict:
     document = {
         "description": result.description,
         "num_parameters": result.num_parameters,
-        "skipped": result.skipped,
         "notes": result.notes,
         "failures": result.failures,
         "capacities": result.capacities,
@@ -189,8 +188,6 @@ def format_header(machine: dict, args) -> str:
 
 def format_model(name: str, model: dict) -> str:
     """One model's block: its stream, a row per strategy, and its notes."""
-    if model["skipped"]:
-        return f"\n{name}: skipped ({model['skipped']})"
     lines = ["", f"{name}: {model['description']}, {model['num_parameters'] / 1e6:.1f}M parameters"]
     if model["stream"]:
         lines.append("  " + _stream_line(model))

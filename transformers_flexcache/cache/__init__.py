@@ -1,0 +1,43 @@
+"""The flexible static cache: storage allocated once at a maximum shape, serving any smaller batch and length.
+
+Layout (one job per file):
+- `config.py`: `CacheConfig`, the settings of `cache_implementation="flexible_static"`, parsed and checked once; the
+  overflow message.
+- `layers.py`: attention storage of one layer, exact and padded (`LayerSpec`: what a layer holds, and where).
+- `linear_attention.py`: Mamba conv/recurrent storage of one layer, and its shapes.
+- `specs.py`: a decoder's layer specs from its config; `placement.py`: refined from the loaded model (devices,
+  tensor-parallel heads, dtypes).
+- `containers.py`: the self-attention, cross-attention and encoder-decoder caches, which alone decide capacity and
+  growth.
+"""
+
+from .config import CacheConfig, Overflow, overflow_message
+from .containers import (
+    FlexibleCrossAttentionCache,
+    FlexibleEncoderDecoderCache,
+    FlexibleStaticCache,
+    is_flexible_cache,
+    plan_capacities,
+)
+from .layers import FlexiblePaddedLayer, FlexibleStaticLayer, LayerSpec
+from .linear_attention import FlexibleLinearAttentionLayer, FlexiblePaddedLinearAttentionLayer
+from .placement import layer_specs_for_model
+from .specs import layer_specs_from_config
+
+__all__ = [
+    "CacheConfig",
+    "FlexibleCrossAttentionCache",
+    "FlexibleEncoderDecoderCache",
+    "FlexibleLinearAttentionLayer",
+    "FlexiblePaddedLayer",
+    "FlexiblePaddedLinearAttentionLayer",
+    "FlexibleStaticCache",
+    "FlexibleStaticLayer",
+    "LayerSpec",
+    "Overflow",
+    "is_flexible_cache",
+    "layer_specs_for_model",
+    "layer_specs_from_config",
+    "overflow_message",
+    "plan_capacities",
+]

@@ -1,0 +1,285 @@
+"""Attention storage of one layer: keys and values in `[B_max, H, L_max, D]`, allocated once, with the live shape.
+
+Shape legend: `B` live batch, `B_max` rows of storage, `H` kv heads of this layer (on this rank), `S` new tokens,
+`L` live length, `L_max` capacity along the length axis, `D` head dim.
+
+Two layer classes, one per way of running a call (the `shape_policy` of `CacheConfig`):
+- `FlexibleStaticLayer` ("exact"): `update` writes rows `[:B]` at `[L : L + S]` and returns views `[:B, :, : L + S]`,
+  so attention never reads a row or a position that the current call did not write, and `reset` only sets counters
+  back to zero. Lengths are Python ints: no host sync in eager, but a new shape to `torch.compile` at every step.
+- `FlexiblePaddedLayer` ("padded"): `update` writes with `index_copy_` at positions counted by a 0-d tensor with a
+  static address and returns all `L_max` positions of the call's rows, leaving the unwritten ones to the attention
+  mask (as upstream's `StaticLayer`), so that a compiled decode step sees one set of shapes.
+
+Layers never check capacities: the caches in `containers.py` do, before anything is written.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What one cache layer holds, and where: everything needed to allocate it, and to tell its size before.
+
+    Attention layers (`layer_type` "full_attention") use `num_heads`, `k_head_dim`, `v_head_dim`; linear-attention
+    (Mamba) layers use `conv_shape` `(C, K)` and `recurrent_shape` `(C, N)` per row, and hold the recurrent state in
+    `recurrent_dtype`. `device` is where the layer's attention runs; `dtype` that of its key/value projections.
+    """
+
+    layer_type: str
+    device: torch.device
+    dtype: torch.dtype
+    num_heads: int = 0
+    k_head_dim: int = 0
+    v_head_dim: int = 0
+    conv_shape: tuple[int, ...] = ()
+    recurrent_shape: tuple[int, ...] = ()
+    recurrent_dtype: torch.dtype | None = None
+
+    def nbytes(self, *, max_batch_size: int, max_cache_len: int) -> int:
+        """Bytes that a layer of this spec allocates at these capacities."""
+        item = torch.empty((), dtype=self.dtype).element_size()
+        if self.layer_type == "linear_attention":
+            recurrent_item = torch.empty((), dtype=self.recurrent_dtype or self.dtype).element_size()
+            conv = max_batch_size * _numel(self.conv_shape) * item
+            return conv + max_batch_size * _numel(self.recurrent_shape) * recurrent_item
+        return max_batch_size * self.num_heads * max_cache_len * (self.k_head_dim + self.v_head_dim) * item
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    total = 1
+    for size in shape:
+        total *= size
+    return total
+
+
+def _check_tokens_to_remove(tokens_to_remove: int) -> None:
+    if tokens_to_remove > 0:
+        raise ValueError(
+            f"crop({tokens_to_remove}) is not supported; pass a negative number of tokens to remove, as for upstream's "
+            "StaticLayer"
+        )
+
+
+class FlexibleStaticLayer(CacheLayerMixin):
+    """Keys and values of one attention layer in `[B_max, H, L_max, D]` storage, with the live batch and length.
+
+    Built by `FlexibleStaticCache`; models use the cache's `get_kv` and `update`, not this class.
+    """
+
+    is_compileable = False  # live lengths are Python ints: each decode step is a new shape to the compiler
+    is_croppable = True
+    is_sliding = False
+    supports_early_init = True
+
+    def __init__(self, *, spec: LayerSpec, max_batch_size: int, max_cache_len: int):
+        # CacheLayerMixin.__init__ would set `keys`/`values` attributes; here they are read-only live views.
+        self.max_batch_size = max_batch_size
+        self.max_cache_len = max_cache_len
+        self.num_heads = spec.num_heads
+        self.device = torch.device(spec.device)
+        storage = {"dtype": spec.dtype, "device": spec.device}
+        self._key_storage = torch.zeros(max_batch_size, spec.num_heads, max_cache_len, spec.k_head_dim, **storage)
+        self._value_storage = torch.zeros(max_batch_size, spec.num_heads, max_cache_len, spec.v_head_dim, **storage)
+        self.batch_size = 0  # live batch: rows written by the current call
+        self.seq_len = 0  # live length: positions written by the current call
+        self.is_initialized = True
+        self.static_address = False  # set by `mark_static_address`; kept through `grow`
+
+    def renewed(self) -> FlexibleStaticLayer:
+        """A new layer object over the same storage, with counters of its own (set back by `reset`)."""
+        return copy.copy(self)
+
+    def mark_static_address(self) -> None:
+        """Tell `torch.compile` (and CUDA graphs) that the storage keeps its address across calls.
+
+        Without it, a compiled step with `mode="reduce-overhead"` copies mutated inputs into its own buffers or skips
+        CUDA graphs. Not allowed while dynamo traces, as for upstream's `StaticLayer`; a no-op then.
+        """
+        self.static_address = True
+        if not torch.compiler.is_compiling():
+            for tensor in self._static_tensors():
+                torch._dynamo.mark_static_address(tensor)
+
+    def _static_tensors(self) -> list[torch.Tensor]:
+        return [self._key_storage, self._value_storage]
+
+    def storages(self) -> list[torch.Tensor]:
+        """The tensors this layer allocated (for sizes, data pointers and `release`)."""
+        return [self._key_storage, self._value_storage]
+
+    # Read-only live views, for upstream code that reads `layer.keys` (e.g. Whisper's generate rebuilding caches).
+    @property
+    def keys(self) -> torch.Tensor:  # [B, H, L, D]
+        return self._key_storage[: self.batch_size, :, : self.seq_len]
+
+    @property
+    def values(self) -> torch.Tensor:  # [B, H, L, D]
+        return self._value_storage[: self.batch_size, :, : self.seq_len]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._key_storage.dtype
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        # Storage is allocated in __init__; nothing is left to initialize lazily.
+        return None
+
+    def get_kv(self, batch_size: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:  # -> 2 x [B, H, length, D]
+        return self._key_storage[:batch_size, :, :length], self._value_storage[:batch_size, :, :length]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        # key_states: [B, H, S, D] -> 2 x [B, H, L + S, D]
+        batch_size, num_new = key_states.shape[0], key_states.shape[-2]
+        start = self.seq_len
+        self._key_storage[:batch_size, :, start : start + num_new].copy_(key_states)
+        self._value_storage[:batch_size, :, start : start + num_new].copy_(value_states)
+        self.batch_size, self.seq_len = batch_size, start + num_new
+        return self.get_kv(batch_size, self.seq_len)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # Same as DynamicLayer: the mask spans exactly the live length plus the new tokens.
+        return self.seq_len + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seq_len
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def reset(self) -> None:
+        # No zeroing: views end at the live batch and length, so stale slots are never read.
+        self.batch_size = 0
+        self.seq_len = 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.seq_len == 0:
+            return
+        live_keys, live_values = self.get_kv(self.batch_size, self.seq_len)
+        beam_idx = beam_idx.to(self.device)
+        # index_select makes a new tensor first, so copying it back over its own source is safe.
+        live_keys.copy_(live_keys.index_select(0, beam_idx))
+        live_values.copy_(live_values.index_select(0, beam_idx))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        # Upstream's semantics (`CacheLayerMixin.crop`, transformers==5.24.0): a negative count of tokens to remove.
+        _check_tokens_to_remove(tokens_to_remove)
+        self.seq_len = max(0, self.seq_len + tokens_to_remove)
+
+    def offload(self):
+        raise NotImplementedError("offloading is not supported by FlexibleStaticCache")
+
+    def prefetch(self):
+        raise NotImplementedError("offloading is not supported by FlexibleStaticCache")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("batch_repeat_interleave is only defined for DynamicCache")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("batch_select_indices is only defined for DynamicCache")
+
+    def grow(self, *, max_batch_size: int, max_cache_len: int) -> None:
+        """Reallocate to the given capacities (each at least the current one), keeping the live content."""
+        new_keys = self._key_storage.new_zeros(
+            max_batch_size, self.num_heads, max_cache_len, self._key_storage.shape[-1]
+        )
+        new_values = self._value_storage.new_zeros(
+            max_batch_size, self.num_heads, max_cache_len, self._value_storage.shape[-1]
+        )
+        live_keys, live_values = self.get_kv(self.batch_size, self.seq_len)
+        new_keys[: self.batch_size, :, : self.seq_len].copy_(live_keys)
+        new_values[: self.batch_size, :, : self.seq_len].copy_(live_values)
+        self._key_storage, self._value_storage = new_keys, new_values
+        self.max_batch_size, self.max_cache_len = max_batch_size, max_cache_len
+        if self.static_address:
+            self.mark_static_address()
+
+
+class FlexiblePaddedLayer(FlexibleStaticLayer):
+    """The fixed-shape ("padded") mode of `FlexibleStaticLayer`, for `torch.compile` and CUDA graphs.
+
+    `update` writes with `index_copy_` at positions counted by `cumulative_length`, a 0-d tensor with a static
+    address (as upstream's `StaticLayer`), and returns all `L_max` positions of the call's rows; the attention mask
+    hides those not written yet (`get_mask_sizes` returns the capacity). So a decode step has the same shapes and reads
+    no changing Python value at any step of any call, and compiles once. The exact mode's Python-int `seq_len` is not
+    used: the live length is `cumulative_length`. The length is not checked against the capacity here (that would
+    need a host sync): `generate` reserves room before the call, and `index_copy_` raises past the capacity on CPU.
+    """
+
+    is_compileable = True
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        # A tensor, not an int: positions then derive from it inside the graph instead of being baked into it.
+        self.cumulative_length = torch.zeros((), dtype=torch.long, device=self.device)
+        self.mark_static_address()
+
+    def _static_tensors(self) -> list[torch.Tensor]:
+        return [self._key_storage, self._value_storage, self.cumulative_length]
+
+    @property
+    def keys(self) -> torch.Tensor:  # [B, H, L_max, D]
+        return self._key_storage[: self.batch_size]
+
+    @property
+    def values(self) -> torch.Tensor:  # [B, H, L_max, D]
+        return self._value_storage[: self.batch_size]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        # key_states: [B, H, S, D] -> 2 x [B, H, L_max, D]
+        batch_size, num_new = key_states.shape[0], key_states.shape[-2]
+        positions = torch.arange(num_new, device=self.device) + self.cumulative_length  # [S]
+        self.cumulative_length.add_(num_new)  # in place: the address stays static
+        keys, values = self._key_storage[:batch_size], self._value_storage[:batch_size]
+        keys.index_copy_(2, positions, key_states)
+        values.index_copy_(2, positions, value_states)
+        self.batch_size = batch_size
+        return keys, values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # Attention always spans the whole capacity; the mask hides the positions not written yet.
+        return self.max_cache_len, 0
+
+    def get_seq_length(self) -> torch.Tensor:  # 0-d, as upstream's StaticLayer: an int would be baked into graphs
+        return self.cumulative_length
+
+    def reset(self) -> None:
+        # Unlike the exact mode, attention reads every position (with weight 0 where masked): zero the storage so that
+        # nothing non-finite left by an earlier call can turn a masked product into NaN (upstream zeroes too).
+        self._key_storage.zero_()
+        self._value_storage.zero_()
+        self.cumulative_length.zero_()
+        self.batch_size = 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.batch_size == 0:
+            return
+        beam_idx = beam_idx.to(self.device)
+        # Copied back in place (upstream's StaticLayer rebinds `keys`), so the static address is kept.
+        for storage in (self._key_storage[: self.batch_size], self._value_storage[: self.batch_size]):
+            storage.copy_(storage.index_select(0, beam_idx))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        # The removed positions stay in the storage, masked: the next update overwrites them (as upstream's StaticLayer).
+        _check_tokens_to_remove(tokens_to_remove)
+        self.cumulative_length.add_(tokens_to_remove).clamp_(min=0)
+
+    def grow(self, *, max_batch_size: int, max_cache_len: int) -> None:
+        """Reallocate to the given capacities (each at least the current one), keeping all written content."""
+        old_keys, old_values = self._key_storage, self._value_storage
+        self._key_storage = old_keys.new_zeros(max_batch_size, self.num_heads, max_cache_len, old_keys.shape[-1])
+        self._value_storage = old_values.new_zeros(max_batch_size, self.num_heads, max_cache_len, old_values.shape[-1])
+        self._key_storage[: old_keys.shape[0], :, : old_keys.shape[2]].copy_(old_keys)
+        self._value_storage[: old_values.shape[0], :, : old_values.shape[2]].copy_(old_values)
+        self.max_batch_size, self.max_cache_len = max_batch_size, max_cache_len
+        self.mark_static_address()
+
+
+# The attention layer class of each `shape_policy`.
+ATTENTION_LAYER_CLASSES = {"exact": FlexibleStaticLayer, "padded": FlexiblePaddedLayer}

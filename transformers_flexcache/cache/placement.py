@@ -1,0 +1,147 @@
+"""Where each layer's storage goes: read from the loaded model, not from its config alone.
+
+`layer_specs_for_model(model)` refines the config's `LayerSpec`s (`specs.py`) layer by layer:
+- **device**: where the layer's attention runs. For a module that accelerate dispatched (`device_map`, offload to CPU
+  or disk), that is its hook's `execution_device` (its own parameters may sit on `meta`); otherwise the device of its
+  parameters. So a model spread over several devices gets each layer's storage beside the layer.
+- **kv heads**: what the layer's key projection produces on this process, `out_features // head_dim`. Under tensor
+  parallelism (`tp_plan`) the projection holds a shard, and so does the storage: each rank allocates only its heads.
+  Models whose key projection is not found (fused projections) keep the config's heads, divided per rank as upstream's
+  `get_kv_heads_per_rank` divides them.
+- **dtype**: that of the key projection's weight (the model's dtype when the weight is not floating point, e.g.
+  quantized).
+
+A layer's attention module is found generically: the modules of the decoder that carry `layer_idx` (every upstream
+attention and Mamba mixer does), the first of each index being the self-attention (or mixer), and one whose name says
+encoder/cross attention being its cross-attention.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+from torch import nn
+
+from .layers import LayerSpec
+from .specs import layer_specs_from_config
+
+# Names of key projections in upstream attention modules (Llama/BART/Whisper/Jamba, T5, Pix2Struct).
+KEY_PROJECTION_NAMES = ("k_proj", "k", "key")
+# A module path naming a cross-attention module (BART-family `encoder_attn`, T5 `EncDecAttention`, Pix2Struct).
+CROSS_ATTENTION_PATH = re.compile(r"encoder_attn|encdecattention|encoder_decoder_attention|cross", re.IGNORECASE)
+
+
+def _decoder(model: nn.Module) -> nn.Module:
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    return decoder if isinstance(decoder, nn.Module) else model
+
+
+def attention_modules(model: nn.Module) -> tuple[dict[int, nn.Module], dict[int, nn.Module]]:
+    """`({layer_idx: self-attention or mixer module}, {layer_idx: cross-attention module})` of the model's decoder."""
+    own, cross = {}, {}
+    for path, module in _decoder(model).named_modules():
+        layer_idx = getattr(module, "layer_idx", None)
+        if not isinstance(layer_idx, int) or isinstance(layer_idx, bool):
+            continue
+        if CROSS_ATTENTION_PATH.search(path) or layer_idx in own:
+            cross.setdefault(layer_idx, module)
+        else:
+            own[layer_idx] = module
+    return own, cross
+
+
+def execution_device(module: nn.Module, parents: dict[nn.Module, nn.Module]) -> torch.device | None:
+    """Where `module` runs: the `execution_device` of the nearest accelerate hook on it or above it (`parents` maps
+    each module to its parent), else the device of its first parameter or buffer that is not on `meta`; None when
+    neither says."""
+    node = module
+    while node is not None:
+        device = _hook_device(getattr(node, "_hf_hook", None))
+        if device is not None:
+            return device
+        node = parents.get(node)
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if tensor.device.type != "meta":
+            return tensor.device
+    return None
+
+
+def _hook_device(hook) -> torch.device | None:
+    if hook is None:
+        return None
+    for inner in getattr(hook, "hooks", None) or [hook]:  # accelerate's SequentialHook holds several
+        device = getattr(inner, "execution_device", None)
+        if device is not None:
+            return torch.device(f"cuda:{device}" if isinstance(device, int) else device)
+    return None
+
+
+def _key_projection(module: nn.Module) -> torch.Tensor | None:
+    for name in KEY_PROJECTION_NAMES:
+        weight = getattr(getattr(module, name, None), "weight", None)
+        if isinstance(weight, torch.Tensor):
+            to_local = getattr(weight, "to_local", None)  # a DTensor shard under tensor parallelism
+            return to_local() if callable(to_local) else weight
+    return None
+
+
+class _Placer:
+    """Refines config specs for one model: its module tree is walked once."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.parents = {child: parent for parent in model.modules() for child in parent.children()}
+        self.default_device = execution_device(model, self.parents) or torch.device("cpu")
+        self.default_dtype = getattr(model, "dtype", torch.float32)
+        self.tp_heads = _tp_heads(model)
+
+    def refined(self, spec: LayerSpec, module: nn.Module | None) -> LayerSpec:
+        if module is None:
+            return dataclasses.replace(spec, device=self.default_device, dtype=self.default_dtype)
+        device = execution_device(module, self.parents) or self.default_device
+        return _refined(spec, module, device=device, dtype=self.default_dtype, tp_heads=self.tp_heads)
+
+
+def _refined(spec: LayerSpec, module: nn.Module, *, device, dtype, tp_heads) -> LayerSpec:
+    changes = {"device": device, "dtype": dtype}
+    if spec.layer_type == "linear_attention":
+        return dataclasses.replace(spec, **changes)
+    weight = _key_projection(module)
+    if weight is not None:
+        if weight.dtype.is_floating_point:
+            changes["dtype"] = weight.dtype
+        if weight.dim() == 2 and weight.shape[0] % spec.k_head_dim == 0:
+            changes["num_heads"] = weight.shape[0] // spec.k_head_dim
+    elif tp_heads is not None:
+        changes["num_heads"] = tp_heads(spec.num_heads)
+    return dataclasses.replace(spec, **changes)
+
+
+def _tp_heads(model: nn.Module):
+    tp_size = getattr(model, "_tp_size", None) or 1
+    if tp_size <= 1:
+        return None
+    from transformers.distributed.tensor_parallel import get_kv_heads_per_rank
+
+    return lambda num_heads: get_kv_heads_per_rank(model.tp_plan, num_heads, tp_size)
+
+
+def layer_specs_for_model(model: nn.Module) -> tuple[list[LayerSpec], list[LayerSpec] | None]:
+    """`(self-attention specs, cross-attention specs or None)` for `model`'s decoder, each layer placed where the
+    model runs it, with the heads its projections produce and in their dtype (see the module docstring)."""
+    config_specs = layer_specs_from_config(model.config)
+    own, cross = attention_modules(model)
+    placer = _Placer(model)
+    self_specs = [placer.refined(spec, own.get(i)) for i, spec in enumerate(config_specs)]
+    if not model.config.is_encoder_decoder:
+        return self_specs, None
+    # Cross-attention layers run beside their decoder layer; their own projections give their heads.
+    cross_specs = [
+        placer.refined(spec, cross.get(i, own.get(i)))
+        for i, spec in enumerate(config_specs)
+        if spec.layer_type != "linear_attention"
+    ]
+    return self_specs, cross_specs

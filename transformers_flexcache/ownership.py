@@ -1,0 +1,396 @@
+"""Who may use which storage, and when: the pool of flexible caches held by a model.
+
+Design decisions:
+- A model holds a `CachePool`: at most `max_concurrent_calls` caches (default 1), each allocated once and grown
+  only when a call needs more. A `generate` call *leases* one for its duration: nobody else writes that storage until
+  the call ends. A call that finds every cache leased waits for one (`on_busy="wait"`, the default) or raises
+  (`on_busy="error"`); a thread that already holds a lease of the pool never waits for another one (it would wait
+  for itself) and raises instead.
+- A steady stream of calls within capacity allocates nothing: each lease reuses a cache's storage. But each lease
+  hands out a *new* cache object over that storage (`renewed()`), and marks the object of the previous lease stale.
+  So a `past_key_values` returned by an earlier call stays valid until a later call reuses its storage, and from then
+  on any use of it raises a `ValueError` that says so and how to keep a cache (`cache.detach()`), instead of
+  continuing from someone else's keys. Leases prefer storage whose cache was not returned to the caller, so a kept
+  cache survives as long as the pool has other storage to give.
+- A cache passed back to `generate` (`past_key_values=...`, a continuation) is leased as it is, not renewed, and
+  reserved once for the whole call (see `FlexibleStaticCache.reserve`), so continuing never reallocates per token.
+- `release(model)` frees every idle cache of the pool at once (and the leased ones when their calls end): upstream
+  removed its own hidden cache reuse because "it will keep a big memory footprint without the user noticing"
+  (transformers PR #47731). Ours is explicit, counted (`held_nbytes`) and releasable.
+- A lease lasts one upstream `generate` call: `call_scope()` opens around each, and gives back every lease taken in it
+  when it closes, whatever happened in between.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from .cache import CacheConfig, is_flexible_cache, plan_capacities
+from .cache.config import Overflow, overflow_message
+from .log import get_logger
+
+logger = get_logger(__name__)
+
+DEFAULT_MAX_CONCURRENT_CALLS = 1
+_POOL_ATTR = "_flex_cache_pool"
+_pool_creation = threading.Lock()
+_frames = threading.local()
+
+
+@dataclass
+class _Slot:
+    """One cache's storage in a pool, and who holds it."""
+
+    cache: object
+    kind: tuple
+    holder: int | None = None  # thread id of the generate call that leases it
+    returned: bool = False  # whether the cache object of the last lease went back to the caller
+    lease_count: int = 0
+    free_on_return: bool = False
+
+
+@dataclass
+class Lease:
+    """A cache lent to one generate call; `give_back` ends it."""
+
+    pool: CachePool
+    slot: _Slot | None
+    cache: object
+    given_by_caller: bool = False
+    _ended: bool = field(default=False, repr=False)
+
+    def give_back(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self.pool._give_back(self)
+
+
+class CachePool:
+    """The flexible caches of one model, each allocated once, each lent to one generate call at a time.
+
+    Args:
+        owner_name (`str`): how errors name the model (its class name).
+    """
+
+    def __init__(self, *, owner_name: str):
+        self.owner_name = owner_name
+        self.max_concurrent_calls = DEFAULT_MAX_CONCURRENT_CALLS
+        self._slots: list[_Slot] = []
+        self._condition = threading.Condition()
+        self._given: dict[int, int] = {}  # id(cache) -> thread id, for caches passed in by callers
+
+    # --- what the pool holds ----------------------------------------------------------------------------------
+    def caches(self) -> list:
+        """The cache object of each storage the pool holds (the one its last lease handed out)."""
+        with self._condition:
+            return [slot.cache for slot in self._slots]
+
+    def held_nbytes(self) -> dict[str, int]:
+        """Bytes of storage the pool holds, per device."""
+        per_device: dict[str, int] = {}
+        for cache in self.caches():
+            for device, nbytes in cache.nbytes_per_device().items():
+                per_device[device] = per_device.get(device, 0) + nbytes
+        return per_device
+
+    def capacities(self, kind: tuple) -> dict[str, int]:
+        """The largest capacities that the pool's caches of `kind` hold (empty if it holds none)."""
+        with self._condition:
+            return self._capacities(kind)
+
+    def _capacities(self, kind: tuple) -> dict[str, int]:
+        found: dict[str, int] = {}
+        for slot in self._slots:
+            if slot.kind == kind:
+                for name, value in slot.cache.capacities().items():
+                    found[name] = max(found.get(name, 0), value)
+        return found
+
+    # --- leases -------------------------------------------------------------------------------------------------
+    def lease(
+        self, *, kind: tuple, need: Mapping[str, int], config: CacheConfig, build: Callable[[dict], object]
+    ) -> Lease:
+        """Lend a cache of `kind` that holds `need`, reset, for one generate call.
+
+        Args:
+            kind: what distinguishes caches that cannot stand in for each other (encoder-decoder or not, shape
+                policy, the placement of every layer).
+            need: the capacities the call needs (`max_batch_size`, `max_cache_len`, ...).
+            config: the call's `CacheConfig` (capacities, `on_overflow`, `max_concurrent_calls`, `on_busy`).
+            build: makes a new cache of the given capacities.
+
+        Raises:
+            ValueError: the call exceeds a capacity with `on_overflow="error"` (nothing is changed).
+            RuntimeError: every cache is leased and `on_busy="error"`, or this thread already holds one.
+        """
+        me = threading.get_ident()
+        with self._condition:
+            if config.max_concurrent_calls is not None:
+                self.max_concurrent_calls = config.max_concurrent_calls
+            self._check_capacity(kind, need, config)
+            while True:
+                slot = self._idle_slot(kind, need)
+                if slot is not None:
+                    break
+                if self._room_for_one_more(kind):
+                    slot = self._new_slot(kind, need, config, build)
+                    break
+                self._refuse_or_wait(me, config)
+            slot.holder = me
+        try:
+            cache = self._renew(slot)
+            cache.reserve(need, config=config)
+        except BaseException:
+            self._release_slot(slot)
+            raise
+        return Lease(pool=self, slot=slot, cache=cache)
+
+    def lease_given(self, cache, *, need: Mapping[str, int], config: CacheConfig) -> Lease:
+        """Lend a cache that the caller passed back to `generate` (a continuation), as it is, for one call.
+
+        Raises:
+            ValueError: the cache is stale (its storage was reused or released), or the call exceeds a capacity
+                with `on_overflow="error"`.
+            RuntimeError: another generate call is using this cache right now.
+        """
+        cache._check_live()
+        me = threading.get_ident()
+        with self._condition:
+            slot = next((slot for slot in self._slots if slot.cache is cache), None)
+            holder = slot.holder if slot is not None else self._given.get(id(cache))
+            if holder is not None:
+                raise RuntimeError(
+                    f"this cache is in use by another generate call of {self.owner_name} (thread {holder}); a cache "
+                    "serves one call at a time: wait for that call, or pass a cache of your own"
+                )
+            if slot is not None:
+                slot.holder = me
+            else:
+                self._given[id(cache)] = me
+        try:
+            cache.reserve(need, config=config)
+        except BaseException:
+            Lease(pool=self, slot=slot, cache=cache, given_by_caller=True).give_back()
+            raise
+        return Lease(pool=self, slot=slot, cache=cache, given_by_caller=True)
+
+    def _check_capacity(self, kind: tuple, need: Mapping[str, int], config: CacheConfig) -> None:
+        held = self._capacities(kind)
+        if not held or config.on_overflow != "error":
+            return
+        _, exceeded = plan_capacities(held, need, config)
+        if exceeded:
+            raise ValueError(overflow_message(exceeded))
+
+    def _idle_slot(self, kind: tuple, need: Mapping[str, int]) -> _Slot | None:
+        idle = [slot for slot in self._slots if slot.holder is None and slot.kind == kind]
+        if not idle:
+            return None
+
+        def fits(slot: _Slot) -> bool:
+            held = slot.cache.capacities()
+            return all(held.get(name, 0) >= value for name, value in need.items())
+
+        # Storage that fits without growing first, then storage whose cache was not returned to a caller (a kept
+        # cache stays valid as long as possible), then the least recently leased.
+        return min(idle, key=lambda slot: (not fits(slot), slot.returned, slot.lease_count))
+
+    def _room_for_one_more(self, kind: tuple) -> bool:
+        if len(self._slots) < self.max_concurrent_calls:
+            return True
+        # Storage of another kind (the model moved, or the call asks for another shape policy) makes room when idle.
+        other = next((slot for slot in self._slots if slot.holder is None and slot.kind != kind), None)
+        if other is None:
+            return False
+        logger.warning(
+            "The flexible cache of %s is rebuilt for a call of another kind (shape policy, device or dtype); the "
+            "previous one (%d bytes) is freed",
+            self.owner_name,
+            other.cache.nbytes,
+        )
+        self._slots.remove(other)
+        other.cache.free(
+            f"this cache's storage was freed: {self.owner_name} was called with another shape policy, device or "
+            "dtype, and its pool holds at most max_concurrent_calls caches; call .detach() on a returned cache to keep it"
+        )
+        return True
+
+    def _new_slot(self, kind: tuple, need: Mapping[str, int], config: CacheConfig, build) -> _Slot:
+        # As large as the largest cache of this kind: any call that one serves, this one serves too.
+        held = self._capacities(kind)
+        capacities, _ = plan_capacities({name: held.get(name, 0) for name in need}, need, config)
+        slot = _Slot(cache=build(capacities), kind=kind)
+        slot.cache._owner = self
+        self._slots.append(slot)
+        return slot
+
+    def _refuse_or_wait(self, me: int, config: CacheConfig) -> None:
+        mine = any(slot.holder == me for slot in self._slots) or me in self._given.values()
+        busy = (
+            f"{self.max_concurrent_calls} generate call(s) of {self.owner_name} already hold its flexible caches "
+            f"(max_concurrent_calls={self.max_concurrent_calls})"
+        )
+        if mine:
+            raise RuntimeError(
+                f"{busy}, one of them in this thread, which would wait for itself; pass "
+                f'cache_config={{"max_concurrent_calls": {self.max_concurrent_calls + 1}}} or more'
+            )
+        if config.on_busy == "error":
+            raise RuntimeError(
+                f'{busy}; pass cache_config={{"max_concurrent_calls": {self.max_concurrent_calls + 1}}} or more for '
+                'calls to run at once, or {"on_busy": "wait"} to wait for one'
+            )
+        self._condition.wait()
+
+    def _renew(self, slot: _Slot):
+        old = slot.cache
+        # Whoever still needs what the previous lease wrote (e.g. Whisper's rows kept across its fallback calls) is
+        # told before the storage is reused.
+        for hook in old.__dict__.pop("_before_reuse", []):
+            hook()
+        slot.cache = old.renewed()
+        slot.lease_count += 1
+        old.mark_stale(
+            f"this cache was returned by an earlier generate call of {self.owner_name}, and a later generate call "
+            f"(thread {threading.current_thread().name}) has reused its storage; call cache.detach() on a returned "
+            "cache before the next generate call to keep it for continuing (the model then allocates new storage "
+            "when it needs it)"
+        )
+        slot.returned = False
+        return slot.cache
+
+    def _give_back(self, lease: Lease) -> None:
+        if lease.slot is None:
+            with self._condition:
+                self._given.pop(id(lease.cache), None)
+                self._condition.notify_all()
+            return
+        self._release_slot(lease.slot)
+
+    def _release_slot(self, slot: _Slot) -> None:
+        with self._condition:
+            slot.holder = None
+            if slot.free_on_return and slot in self._slots:
+                self._slots.remove(slot)
+                slot.cache.free(_released_reason(self.owner_name))
+            self._condition.notify_all()
+
+    def mark_returned(self, cache) -> None:
+        """Note that `cache` went back to the caller of generate (so leases prefer other storage)."""
+        with self._condition:
+            for slot in self._slots:
+                if slot.cache is cache:
+                    slot.returned = True
+
+    def detach(self, cache) -> None:
+        """Take `cache`'s storage out of the pool: it is the caller's from now on."""
+        with self._condition:
+            slot = next((slot for slot in self._slots if slot.cache is cache), None)
+            if slot is None:
+                return
+            if slot.holder is not None and slot.holder != threading.get_ident():
+                raise RuntimeError("this cache is in use by a running generate call; detach it after the call")
+            self._slots.remove(slot)
+            cache._owner = None
+            self._condition.notify_all()
+
+    def release(self) -> int:
+        """Free every idle cache now, and each leased one when its call ends; returns the bytes freed now."""
+        freed = 0
+        with self._condition:
+            for slot in list(self._slots):
+                if slot.holder is None:
+                    self._slots.remove(slot)
+                    freed += slot.cache.free(_released_reason(self.owner_name))
+                else:
+                    slot.free_on_return = True
+            self._condition.notify_all()
+        return freed
+
+
+def _released_reason(owner_name: str) -> str:
+    return (
+        f"this cache's storage was freed by transformers_flexcache.release() on {owner_name}; the next generate call "
+        "allocates new storage (call cache.detach() on a returned cache to keep it through a release)"
+    )
+
+
+def pool_of(model, *, create: bool = True) -> CachePool | None:
+    """The `CachePool` of `model` (created on first use when `create`)."""
+    pool = model.__dict__.get(_POOL_ATTR)
+    if pool is None and create:
+        with _pool_creation:
+            pool = model.__dict__.get(_POOL_ATTR)
+            if pool is None:
+                pool = CachePool(owner_name=type(model).__name__)
+                model.__dict__[_POOL_ATTR] = pool
+    return pool
+
+
+def release(model) -> int:
+    """Free the flexible storage that `model` holds for `generate(cache_implementation="flexible_static")`.
+
+    Idle caches are freed at once and leased ones when their calls end; every cache object over freed storage
+    (a `past_key_values` returned earlier included) becomes stale and raises on use, except those taken out of the
+    pool with `cache.detach()`. The next flexible call allocates again.
+
+    Returns:
+        `int`: the bytes freed now.
+    """
+    pool = pool_of(model, create=False)
+    return pool.release() if pool is not None else 0
+
+
+def held_nbytes(model) -> dict[str, int]:
+    """Bytes of flexible storage that `model` holds, per device (`{}` when none)."""
+    pool = pool_of(model, create=False)
+    return pool.held_nbytes() if pool is not None else {}
+
+
+# --- the lease scope of one generate call -----------------------------------------------------------------------
+@contextlib.contextmanager
+def call_scope():
+    """Open around one upstream `generate` call: the leases taken inside are given back when it closes."""
+    stack = getattr(_frames, "stack", None)
+    if stack is None:
+        stack = _frames.stack = []
+    frame: list[Lease] = []
+    stack.append(frame)
+    try:
+        yield frame
+    finally:
+        stack.pop()
+        for lease in reversed(frame):
+            lease.give_back()
+
+
+def hold_for_call(lease: Lease) -> None:
+    """Keep `lease` until the innermost `call_scope` closes (or give it back at once when there is none)."""
+    stack = getattr(_frames, "stack", None)
+    if stack:
+        stack[-1].append(lease)
+    else:
+        lease.give_back()
+
+
+def note_returned(output) -> None:
+    """Tell the pool of a cache found in `generate`'s output that it went back to the caller."""
+    cache = getattr(output, "cache", None) if not isinstance(output, dict) else output.get("cache")
+    if is_flexible_cache(cache) and cache._owner is not None:
+        cache._owner.mark_returned(cache)
+
+
+__all__ = [
+    "CachePool",
+    "Lease",
+    "Overflow",
+    "call_scope",
+    "held_nbytes",
+    "hold_for_call",
+    "note_returned",
+    "pool_of",
+    "release",
+]

@@ -1,0 +1,249 @@
+"""Seeded random models from upstream config classes, for tests and the benchmark: no downloads.
+
+Two sizes per model type:
+- `tiny_config(model_type)`: 2 layers, hidden 32, vocab 99: the test models (and `bench --quick`).
+- `real_config(model_type)`: t5-small, bart-base, whisper-tiny and a ~100M-parameter Llama: the benchmark's.
+
+Design decisions:
+- Random models must give outputs that vary, or token equality proves nothing. So output embeddings are untied from
+  the input ones (tied, the tiny models echo the token they just read), in one way for every T5 (`untie_t5`), and
+  some init spreads are wider than upstream's defaults (each says why).
+- Special token ids are small (0 pad, 1 bos, 2 eos, as most checkpoints), so that inputs can avoid them.
+"""
+
+from __future__ import annotations
+
+from transformers import (
+    BartConfig,
+    JambaConfig,
+    LlamaConfig,
+    Pix2StructConfig,
+    PreTrainedConfig,
+    T5Config,
+    WhisperConfig,
+)
+
+TINY_VOCAB = 99
+WHISPER_TINY_MAX_SOURCE_POSITIONS = 12  # the encoder length that log-mel features give (2 frames per position)
+WHISPER_TINY_NUM_MEL_BINS = 8
+WHISPER_TINY_D_MODEL = 32
+PIX2STRUCT_PATCH_DIM = 12  # pixels per flattened patch (tiny: upstream's is 16 x 16 x 3)
+
+
+def untie_t5(config: T5Config) -> T5Config:
+    """`config` with T5 v1.1's output layer (flan-t5's too): an `lm_head` of its own, applied without the
+    `d_model**-0.5` scaling that tied T5 checkpoints (t5-small) apply.
+
+    `T5Config.__post_init__` (transformers==5.24.0) forces `tie_word_embeddings=True`, and reads a `False` passed to it
+    as "do not scale the decoder output": hence the assignments after construction. CTranslate2's converter scales
+    exactly when the embeddings are tied, so both runtimes agree on this model.
+    """
+    config.tie_word_embeddings = False
+    config.scale_decoder_outputs = False
+    return config
+
+
+# --- tiny ---------------------------------------------------------------------------------------------------------
+def _llama_tiny() -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=TINY_VOCAB,
+        hidden_size=32,
+        intermediate_size=37,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
+def _t5_tiny() -> T5Config:
+    config = T5Config(
+        vocab_size=TINY_VOCAB,
+        d_model=32,
+        d_kv=8,
+        d_ff=37,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=2,
+    )
+    return untie_t5(config)
+
+
+def _jamba_tiny() -> JambaConfig:
+    # Layer 0 is Mamba (linear attention), layer 1 attention with a 2-expert MoE feed-forward. The expert width is a
+    # multiple of 4 because the grouped matmul of the experts needs 16-byte strides in fp32.
+    return JambaConfig(
+        vocab_size=TINY_VOCAB,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        num_experts=2,
+        num_experts_per_tok=1,
+        mamba_d_state=4,
+        mamba_d_conv=3,
+        mamba_expand=2,
+        mamba_dt_rank=4,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
+def _whisper_tiny() -> WhisperConfig:
+    return WhisperConfig(
+        vocab_size=TINY_VOCAB,
+        num_mel_bins=WHISPER_TINY_NUM_MEL_BINS,
+        d_model=WHISPER_TINY_D_MODEL,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=37,
+        decoder_ffn_dim=37,
+        max_source_positions=WHISPER_TINY_MAX_SOURCE_POSITIONS,
+        max_target_positions=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=1,
+        # upstream's defaults suppress ids of the real 51865-token vocabulary
+        suppress_tokens=None,
+        begin_suppress_tokens=None,
+        # at the default 0.02 a random tiny Whisper emits one token over and over; 0.5 gives varied sequences
+        init_std=0.5,
+    )
+
+
+def _bart_tiny() -> BartConfig:
+    return BartConfig(
+        vocab_size=TINY_VOCAB,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=37,
+        decoder_ffn_dim=37,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=2,
+        forced_eos_token_id=2,
+        # Untied and wider than upstream's 0.02: with tied embeddings the tiny model copies the decoder start (its
+        # EOS) at once, and with small weights every row decodes the same tokens whatever its encoder input.
+        tie_word_embeddings=False,
+        init_std=0.2,
+    )
+
+
+def _pix2struct_tiny() -> Pix2StructConfig:
+    text_config = {
+        "vocab_size": TINY_VOCAB,
+        "hidden_size": 32,
+        "d_kv": 8,
+        "d_ff": 37,
+        "num_layers": 2,
+        "num_heads": 4,
+        "relative_attention_num_buckets": 8,
+        "relative_attention_max_distance": 16,
+        "decoder_start_token_id": 0,
+        "pad_token_id": 0,
+        "eos_token_id": 2,
+    }
+    vision_config = {
+        "hidden_size": 32,
+        "patch_embed_hidden_size": PIX2STRUCT_PATCH_DIM,
+        "d_ff": 37,
+        "d_kv": 8,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "seq_len": 16,  # row/column ids below 16: up to 60 patches in rows of 4
+    }
+    return Pix2StructConfig(text_config=text_config, vision_config=vision_config)
+
+
+# --- real-sized ---------------------------------------------------------------------------------------------------
+def _t5_small() -> T5Config:
+    # T5Config's defaults are t5-small: 6 + 6 layers, d_model 512, 8 heads, d_ff 2048, vocab 32128; untied (77M).
+    return untie_t5(T5Config(decoder_start_token_id=0, pad_token_id=0, eos_token_id=1))
+
+
+def _bart_base() -> BartConfig:
+    # bart-base: 6 + 6 layers, d_model 768, 12 heads, ffn 3072, vocab 50265; untied output embedding (178M).
+    return BartConfig(
+        vocab_size=50265,
+        d_model=768,
+        encoder_layers=6,
+        decoder_layers=6,
+        encoder_attention_heads=12,
+        decoder_attention_heads=12,
+        encoder_ffn_dim=3072,
+        decoder_ffn_dim=3072,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )
+
+
+def _whisper_real() -> WhisperConfig:
+    # WhisperConfig's defaults are whisper-tiny: 4 + 4 layers, d_model 384, 6 heads, 1500 encoder positions; untied.
+    return WhisperConfig(tie_word_embeddings=False)
+
+
+def _llama_100m() -> LlamaConfig:
+    # 8 layers, hidden 768, 12 heads with 4 kv heads, MLP 2048, vocab 32000, untied embeddings: 99.5M parameters.
+    # The init spread is 0.05: at upstream's 0.02 the random model repeats one token; larger spreads saturate
+    # softmaxes, so that float rounding alone (eager against sdpa) changes greedy tokens.
+    return LlamaConfig(
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=8,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        initializer_range=0.05,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
+TINY_CONFIGS = {
+    "llama": _llama_tiny,
+    "t5": _t5_tiny,
+    "bart": _bart_tiny,
+    "whisper": _whisper_tiny,
+    "jamba": _jamba_tiny,
+    "pix2struct": _pix2struct_tiny,
+}
+REAL_CONFIGS = {"t5": _t5_small, "bart": _bart_base, "whisper": _whisper_real, "llama": _llama_100m}
+
+
+def tiny_config(model_type: str) -> PreTrainedConfig:
+    """A new tiny config of `model_type` (2 layers, hidden 32, vocab 99)."""
+    return _lookup(TINY_CONFIGS, model_type, "tiny")()
+
+
+def real_config(model_type: str) -> PreTrainedConfig:
+    """A new real-sized config of `model_type` (t5-small, bart-base, whisper-tiny, ~100M Llama)."""
+    return _lookup(REAL_CONFIGS, model_type, "real-sized")()
+
+
+def _lookup(table: dict, model_type: str, size: str):
+    if model_type not in table:
+        raise ValueError(f"no {size} config for model_type={model_type!r}; there are {sorted(table)}")
+    return table[model_type]

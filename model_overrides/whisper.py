@@ -311,13 +311,10 @@ class FlexWhisperForConditionalGeneration(
         if not refs or not all(isinstance(ref, _RowOf) for ref in refs):
             return super()._stack_split_outputs(seek_outputs, model_output_type, device, kwargs)
         shared = refs[0].rows
-        # The cache itself only when its rows are exactly the returned rows (with beams it holds every beam, while
-        # upstream's copy takes rows 0..B-1: kept as upstream's, copied).
-        whole = (
-            all(ref.rows is shared for ref in refs)
-            and [ref.index for ref in refs] == list(range(len(refs)))
-            and shared.cache.batch_size == len(refs)
-        )
+        # The cache itself when the returned rows are its first rows, in order. As for every other model, it then
+        # holds every row the call ran: each beam (upstream's copy keeps rows 0..B-1, which are these first rows),
+        # and the padding rows of the padded policy.
+        whole = all(ref.rows is shared for ref in refs) and [ref.index for ref in refs] == list(range(len(refs)))
         if whole and shared.copies is None and not shared.cache.is_stale:
             rows = [{key: value for key, value in row.items() if key != "cache"} for row in seek_outputs]
             outputs = super()._stack_split_outputs(rows, model_output_type, device, kwargs)

@@ -1,0 +1,77 @@
+"""Class-level behaviour that upstream's own model tests check: our override classes answer as upstream's classes.
+
+Upstream decides several things from the class itself rather than from its modules: whether it is custom code (from
+its `__module__`), whether its experts and attention kernels can be switched (from the source of its module), and
+whether it can generate (from its direct bases). Each test compares an override class with its upstream class.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tests.model_cases import JAMBA, MODEL_CASES, PIX2STRUCT, T5, WHISPER
+
+CASE_IDS = [case.name for case in MODEL_CASES]
+
+
+@pytest.mark.parametrize("case", MODEL_CASES, ids=CASE_IDS)
+def test_override_is_custom_code_exactly_when_its_upstream_class_is(case):
+    assert case.flex_class.is_custom_code() == case.upstream_class.is_custom_code() is False
+
+
+@pytest.mark.parametrize("case", [T5, PIX2STRUCT, WHISPER], ids=["t5", "pix2struct", "whisper"])
+def test_weights_missing_from_a_checkpoint_are_initialized_as_upstream_initializes_them(case):
+    upstream, _ = case.build()
+    with tempfile.TemporaryDirectory() as folder:
+        upstream.save_pretrained(folder)
+        # A checkpoint with no weights at all: every parameter and buffer is initialized by `from_pretrained`.
+        save_file({}, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+        torch.manual_seed(0)
+        expected = case.upstream_class.from_pretrained(folder).state_dict()
+        torch.manual_seed(0)
+        actual = case.flex_class.from_pretrained(folder).state_dict()
+    differing = [key for key in expected if not torch.equal(expected[key], actual[key])]
+    assert differing == []
+
+
+@pytest.mark.parametrize("case", MODEL_CASES, ids=CASE_IDS)
+def test_override_can_switch_attention_and_experts_kernels_when_its_upstream_class_can(case):
+    assert case.flex_class._can_set_attn_implementation() == case.upstream_class._can_set_attn_implementation()
+    assert case.flex_class._can_set_experts_implementation() == case.upstream_class._can_set_experts_implementation()
+
+
+def _jamba_pair(**kwargs):
+    # Each model gets its own config: the experts implementation is stored on it.
+    torch.manual_seed(0)
+    upstream = JAMBA.upstream_class._from_config(JAMBA.build_config(), **kwargs).eval()
+    flex = JAMBA.flex_class._from_config(JAMBA.build_config(), **kwargs).eval()
+    flex.load_state_dict(upstream.state_dict())
+    return upstream, flex
+
+
+def test_jamba_runs_upstreams_default_experts_kernel():
+    upstream, flex = _jamba_pair()
+    assert flex.config._experts_implementation == upstream.config._experts_implementation == "grouped_mm"
+
+
+def test_jamba_accepts_grouped_mm_when_asked_for_it():
+    _, flex = _jamba_pair(experts_implementation="grouped_mm")
+    assert flex.config._experts_implementation == "grouped_mm"
+
+
+@pytest.mark.parametrize("implementation", ["eager", "batched_mm", "grouped_mm"])
+def test_jamba_set_experts_implementation_switches_the_kernel_and_logits_equal_upstreams(implementation):
+    upstream, flex = _jamba_pair(experts_implementation="eager" if implementation != "eager" else "grouped_mm")
+    flex.set_experts_implementation(implementation)
+    upstream.set_experts_implementation(implementation)
+    assert flex.config is not upstream.config
+    assert flex.config._experts_implementation == upstream.config._experts_implementation == implementation
+    input_ids = torch.randint(3, 99, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, actual = upstream(input_ids).logits, flex(input_ids).logits
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=0)

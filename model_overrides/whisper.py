@@ -21,7 +21,7 @@ returned cache reports the lengths actually written (a copy, not the shared flex
 With `cache_config={"shape_policy": "padded"}` (fixed shapes for `torch.compile`), two things are Whisper's own:
 - Whisper's generate calls upstream's once per 30-second segment and per temperature fallback, on the rows still
   running, so the padding happens around each of those calls, not around Whisper's generate
-  (`FlexCacheInnerGenerateMixin`, last among the bases).
+  (`FlexCacheInnerGenerateMixin`, right before `GenerationMixin` among the bases).
 - Encoder outputs are padded with the mask this decoder reads, `encoder_attention_mask`
   (`_flex_encoder_mask_key`); Whisper's `attention_mask` masks log-mel frames, not encoder positions.
 
@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 
 import torch
+from transformers import GenerationMixin
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
@@ -223,7 +224,7 @@ class FlexWhisperDecoder(WhisperDecoder):
 
 
 class FlexWhisperForConditionalGeneration(
-    FlexModelMixin, WhisperForConditionalGeneration, FlexCacheInnerGenerateMixin
+    FlexModelMixin, WhisperForConditionalGeneration, FlexCacheInnerGenerateMixin, GenerationMixin
 ):
     """`WhisperForConditionalGeneration` with cross-attention through `get_kv`, an optional cross-attention mask, and
     `flexible_static` in generate.

@@ -13,8 +13,11 @@ import tempfile
 import pytest
 import torch
 from safetensors.torch import save_file
+from transformers import GenerationMixin
 
+from model_overrides.whisper import FlexWhisperForConditionalGeneration
 from tests.model_cases import JAMBA, MODEL_CASES, PIX2STRUCT, T5, WHISPER
+from transformers_flexcache.generation import FlexCacheInnerGenerateMixin
 
 CASE_IDS = [case.name for case in MODEL_CASES]
 
@@ -37,6 +40,19 @@ def test_weights_missing_from_a_checkpoint_are_initialized_as_upstream_initializ
         actual = case.flex_class.from_pretrained(folder).state_dict()
     differing = [key for key in expected if not torch.equal(expected[key], actual[key])]
     assert differing == []
+
+
+@pytest.mark.parametrize("case", MODEL_CASES, ids=CASE_IDS)
+def test_override_lists_generation_mixin_among_its_direct_bases(case):
+    assert GenerationMixin in case.flex_class.__bases__
+    assert case.flex_class.can_generate()
+
+
+def test_whisper_inner_generate_mixin_stays_right_before_generation_mixin_in_the_mro():
+    mro = FlexWhisperForConditionalGeneration.__mro__
+    assert mro.index(GenerationMixin) == mro.index(FlexCacheInnerGenerateMixin) + 1
+    # Whisper's own generate comes first, and calls upstream's through the inner mixin.
+    assert mro.index(WHISPER.upstream_class) < mro.index(FlexCacheInnerGenerateMixin)
 
 
 @pytest.mark.parametrize("case", MODEL_CASES, ids=CASE_IDS)

@@ -239,8 +239,11 @@ class FlexWhisperForConditionalGeneration(
     _flex_encoder_mask_key = "encoder_attention_mask"
 
     def _validate_model_kwargs(self, model_kwargs: dict) -> None:
-        """Upstream's check, except that `encoder_attention_mask` is accepted: it reaches `FlexWhisperDecoder` through
-        `forward`'s `**kwargs`, which upstream's signature-based check cannot see."""
+        """Wraps `GenerationMixin._validate_model_kwargs` (transformers==5.24.0).
+
+        Differences: `encoder_attention_mask` is accepted: it reaches `FlexWhisperDecoder` through `forward`'s
+        `**kwargs`, which upstream's signature-based check cannot see. Every other key is checked by upstream.
+        """
         super()._validate_model_kwargs({k: v for k, v in model_kwargs.items() if k != "encoder_attention_mask"})
 
 

@@ -61,11 +61,13 @@ class FlexModelMixin(FlexCacheGenerationMixin):
         """Overrides `PreTrainedModel.is_custom_code` (transformers==5.24.0): the upstream class answers.
 
         Differences: upstream counts every class whose module is outside `transformers.` as custom code, and treats
-        custom code differently when loading: weights missing from a checkpoint are not initialized in modules whose
-        own parameters were all loaded (T5's and Pix2Struct's top-level `_init_weights`, Whisper's sinusoidal
-        `embed_positions`), and the checkpoint conversion mapping of the model type is skipped. An override runs
-        upstream's modules, `_init_weights` and state dict, so it answers as its upstream class; it is custom code
-        only when transformers loaded it as remote code (`is_remote_code`).
+        custom code differently when loading: `_init_weights` is skipped for every module whose own parameters were
+        all loaded, which a module without parameters of its own always is, so weights that T5 and Pix2Struct
+        initialize from a parent module (attention projections, embeddings) and Whisper's sinusoidal
+        `embed_positions` (set from `WhisperEncoder`) are left at generic defaults when missing from a checkpoint; and
+        the checkpoint conversion mapping of the model type is skipped. An override runs upstream's modules,
+        `_init_weights` and state dict, so it answers as its upstream class; it is custom code only when
+        transformers loaded it as remote code (`is_remote_code`).
         """
         return cls.is_remote_code() or cls.flex_upstream_class().is_custom_code()
 

@@ -18,6 +18,7 @@ Shapes: `B` live batch, `S` new decoder tokens, `L_enc` live encoder length, `H`
 
 from __future__ import annotations
 
+from transformers import GenerationMixin
 from transformers.models.bart.modeling_bart import (
     ALL_ATTENTION_FUNCTIONS,
     BartAttention,
@@ -70,7 +71,7 @@ class FlexBartAttention(BartAttention):
         return attn_output, attn_weights
 
 
-class FlexBartForConditionalGeneration(FlexModelMixin, BartForConditionalGeneration):
+class FlexBartForConditionalGeneration(FlexModelMixin, BartForConditionalGeneration, GenerationMixin):
     """`BartForConditionalGeneration` with cross-attention through `get_kv`, and `flexible_static` in generate."""
 
     _flex_module_classes = {BartAttention: FlexBartAttention}

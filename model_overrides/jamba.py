@@ -12,12 +12,13 @@ Upstream's Jamba (transformers==5.24.0) reaches its cache only through public `C
 and `JambaModel` stay upstream's.
 """
 
+from transformers import GenerationMixin
 from transformers.models.jamba.modeling_jamba import JambaForCausalLM
 
 from transformers_flexcache.modeling import FlexModelMixin
 
 
-class FlexJambaForCausalLM(FlexModelMixin, JambaForCausalLM):
+class FlexJambaForCausalLM(FlexModelMixin, JambaForCausalLM, GenerationMixin):
     """`JambaForCausalLM` whose generate accepts `cache_implementation="flexible_static"`."""
 
 

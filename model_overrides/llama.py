@@ -5,12 +5,13 @@ Upstream's Llama (transformers==5.24.0) reaches its cache only through `cache.up
 `FlexibleStaticCache` answers for the live batch and length. So `LlamaAttention` and `LlamaModel` stay upstream's.
 """
 
+from transformers import GenerationMixin
 from transformers.models.llama.modeling_llama import LlamaForCausalLM
 
 from transformers_flexcache.modeling import FlexModelMixin
 
 
-class FlexLlamaForCausalLM(FlexModelMixin, LlamaForCausalLM):
+class FlexLlamaForCausalLM(FlexModelMixin, LlamaForCausalLM, GenerationMixin):
     """`LlamaForCausalLM` whose generate accepts `cache_implementation="flexible_static"`."""
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 
 import torch
+from transformers import GenerationMixin
 from transformers.models.pix2struct.modeling_pix2struct import (
     ALL_ATTENTION_FUNCTIONS,
     Pix2StructForConditionalGeneration,
@@ -92,7 +93,7 @@ class FlexPix2StructTextAttention(Pix2StructTextAttention):
         return attn_output, position_bias, attn_weights
 
 
-class FlexPix2StructForConditionalGeneration(FlexModelMixin, Pix2StructForConditionalGeneration):
+class FlexPix2StructForConditionalGeneration(FlexModelMixin, Pix2StructForConditionalGeneration, GenerationMixin):
     """`Pix2StructForConditionalGeneration` with cross-attention through `get_kv`, and `flexible_static` in generate
     (which turns `use_cache` on unless `generate` is passed `use_cache=False`)."""
 

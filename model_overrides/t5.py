@@ -9,6 +9,7 @@ length, so the cross-attention mask built from the encoder mask covers exactly t
 
 from __future__ import annotations
 
+from transformers import GenerationMixin
 from transformers.models.t5.modeling_t5 import (
     ALL_ATTENTION_FUNCTIONS,
     T5Attention,
@@ -67,7 +68,7 @@ class FlexT5Attention(T5Attention):
         return attn_output, position_bias, attn_weights
 
 
-class FlexT5ForConditionalGeneration(FlexModelMixin, T5ForConditionalGeneration):
+class FlexT5ForConditionalGeneration(FlexModelMixin, T5ForConditionalGeneration, GenerationMixin):
     """`T5ForConditionalGeneration` with cross-attention through `get_kv`, and `flexible_static` in generate."""
 
     _flex_module_classes = {T5Attention: FlexT5Attention}

@@ -23,7 +23,7 @@ when its rows are the call's rows, and copies rows only when a temperature fallb
 With `cache_config={"shape_policy": "padded"}` (fixed shapes for `torch.compile`), two things are Whisper's own:
 - Whisper's generate calls upstream's once per 30-second segment and per temperature fallback, on the rows still
   running, so the padding happens around each of those calls, not around Whisper's generate
-  (`FlexCacheInnerGenerateMixin`, last among the bases).
+  (`FlexCacheInnerGenerateMixin`, right before `GenerationMixin` among the bases).
 - Encoder outputs are padded with the mask this decoder reads, `encoder_attention_mask`
   (`_flex_encoder_mask_key`); Whisper's `attention_mask` masks log-mel frames, not encoder positions.
 
@@ -35,6 +35,7 @@ from __future__ import annotations
 import copy
 
 import torch
+from transformers import GenerationMixin
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
@@ -260,7 +261,7 @@ class _RowOf:
 
 
 class FlexWhisperForConditionalGeneration(
-    FlexModelMixin, WhisperForConditionalGeneration, FlexCacheInnerGenerateMixin
+    FlexModelMixin, WhisperForConditionalGeneration, FlexCacheInnerGenerateMixin, GenerationMixin
 ):
     """`WhisperForConditionalGeneration` with cross-attention through `get_kv`, an optional cross-attention mask, and
     `flexible_static` in generate.
@@ -324,8 +325,11 @@ class FlexWhisperForConditionalGeneration(
         return super()._stack_split_outputs(rows, model_output_type, device, kwargs)
 
     def _validate_model_kwargs(self, model_kwargs: dict) -> None:
-        """Upstream's check, except that `encoder_attention_mask` is accepted: it reaches `FlexWhisperDecoder` through
-        `forward`'s `**kwargs`, which upstream's signature-based check cannot see."""
+        """Wraps `GenerationMixin._validate_model_kwargs` (transformers==5.24.0).
+
+        Differences: `encoder_attention_mask` is accepted: it reaches `FlexWhisperDecoder` through `forward`'s
+        `**kwargs`, which upstream's signature-based check cannot see. Every other key is checked by upstream.
+        """
         super()._validate_model_kwargs({k: v for k, v in model_kwargs.items() if k != "encoder_attention_mask"})
 
 

@@ -62,6 +62,45 @@ class FlexModelMixin(FlexCacheGenerationMixin):
         )
 
     @classmethod
+    def is_custom_code(cls) -> bool:
+        """Overrides `PreTrainedModel.is_custom_code` (transformers==5.24.0): the upstream class answers.
+
+        Differences: upstream counts every class whose module is outside `transformers.` as custom code, and treats
+        custom code differently when loading: `_init_weights` is skipped for every module whose own parameters were
+        all loaded, which a module without parameters of its own always is, so weights that T5 and Pix2Struct
+        initialize from a parent module (attention projections, embeddings) and Whisper's sinusoidal
+        `embed_positions` (set from `WhisperEncoder`) are left at generic defaults when missing from a checkpoint; and
+        the checkpoint conversion mapping of the model type is skipped. An override runs upstream's modules,
+        `_init_weights` and state dict, so it answers as its upstream class; it is custom code only when
+        transformers loaded it as remote code (`is_remote_code`).
+        """
+        return cls.is_remote_code() or cls.flex_upstream_class().is_custom_code()
+
+    @classmethod
+    def _can_set_experts_implementation(cls) -> bool:
+        """Overrides `PreTrainedModel._can_set_experts_implementation` (transformers==5.24.0): the upstream class
+        answers.
+
+        Differences: upstream reads the source of the module that defines the class, looking for
+        `@use_experts_implementation`. An override's module (`model_overrides/<model_type>.py`) defines no experts,
+        so upstream's answer would be False: the default `grouped_mm` would silently fall back to the eager experts
+        loop, asking for `grouped_mm` would raise, and `set_experts_implementation` would do nothing. The experts
+        modules are upstream's, so the upstream class's module decides.
+        """
+        return cls.flex_upstream_class()._can_set_experts_implementation()
+
+    @classmethod
+    def _can_set_attn_implementation(cls) -> bool:
+        """Overrides `PreTrainedModel._can_set_attn_implementation` (transformers==5.24.0): the upstream class answers.
+
+        Differences: upstream reads the source of the class's module (an `*Attention*(nn.Module)` class that does not
+        call `ALL_ATTENTION_FUNCTIONS.get_interface` cannot switch). Our attention classes subclass upstream's and
+        dispatch through the same interface, so the upstream class's module decides, whatever an override's module
+        defines.
+        """
+        return cls.flex_upstream_class()._can_set_attn_implementation()
+
+    @classmethod
     def register_for_auto_class(cls, auto_class="AutoModel"):
         """Overrides `PreTrainedModel.register_for_auto_class` (transformers==5.24.0): records `auto_class` for the
         `auto_map` that `save_pretrained` writes.

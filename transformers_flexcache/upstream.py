@@ -1,0 +1,576 @@
+"""What this package takes from upstream transformers, pinned by a fingerprint of each upstream object's source.
+
+Our code copies upstream methods and changes a few lines (`Derived from`), replaces them (`Overrides`), calls them
+with something around (`Wraps`) or reimplements their behaviour (`Mirrors`); other code of ours relies on upstream
+internals without copying any of them. Each upstream object involved is an entry of `UPSTREAM`, with the fingerprint
+of its source at `PINNED_TRANSFORMERS_VERSION`. `tests/test_upstream_drift.py` fails when the installed transformers
+has different code for one of them, and the message says which code of ours to re-check, and what in it.
+
+Design decisions:
+- A fingerprint hashes the object's source parsed with `ast`, with docstrings dropped and without positions, so
+  comments, formatting and documentation never count, only code. Fields that are empty or None are left out of the
+  dump, so that the hash does not depend on the Python version (3.12 added `type_params` to every function node).
+- Our side of each derivation is found, never listed: a docstring in the package sources in which one of the phrases
+  of `REFERENCE_VERBS` (Derived from, Overrides, Wraps, Mirrors) is followed by a dotted name in backticks refers to
+  that upstream object (`find_references` reads the source files of `PACKAGES`, so a moved, split or new file needs
+  no change here). The name may be the full one or a dotted suffix of it
+  (`GenerationMixin._prepare_cache_for_generation`); it must match exactly one entry (`entry_for`), which the drift
+  test checks for every docstring, so that a new override cannot skip this table.
+- Code that relies on upstream without copying it has no such docstring: its entry names our objects in `users`, by
+  qualified name (`FlexibleEncoderDecoderCache.__init__`), looked up in the sources at test time, never by file.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import os
+import re
+from dataclasses import dataclass
+
+PINNED_TRANSFORMERS_VERSION = "5.24.0"
+
+# The top-level packages whose docstrings are scanned for references to upstream objects.
+PACKAGES = ("transformers_flexcache", "model_overrides")
+
+# What a docstring phrase says our object does with the upstream one, as the drift message puts it.
+REFERENCE_VERBS = {
+    "Derived from": "is derived from it",
+    "Overrides": "overrides it",
+    "Wraps": "wraps it",
+    "Mirrors": "mirrors it",
+}
+RELIES_ON = "relies on it"
+_REFERENCE = re.compile(r"\b(" + "|".join(REFERENCE_VERBS) + r")\s+`([A-Za-z_][\w.]*)`")
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """One upstream object we depend on.
+
+    Args:
+        fingerprint (`str`): `fingerprint()` of its source at `PINNED_TRANSFORMERS_VERSION`.
+        recheck (`str`): what to compare in our code when its source changes.
+        users (`tuple[str, ...]`): qualified names of our objects that rely on it without a docstring reference.
+    """
+
+    fingerprint: str
+    recheck: str
+    users: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Reference:
+    """A docstring of ours that names an upstream object (`upstream`, as written) with one of `REFERENCE_VERBS`."""
+
+    upstream: str
+    verb: str
+    user: str  # qualified name of the documented object, or the module path for a module docstring
+    path: str  # source file, relative to the folder that holds the package (e.g. "model_overrides/t5.py")
+
+
+# --- fingerprints -------------------------------------------------------------------------------------------------
+
+
+def resolve(name: str):
+    """The object at dotted `name`: the longest importable module prefix, then attributes.
+
+    Class attributes are read statically, so a property, classmethod or staticmethod gives its function.
+
+    Raises:
+        ImportError: no prefix of `name` is an importable module.
+        AttributeError: an attribute after the module is missing.
+    """
+    parts = name.split(".")
+    for split in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        for attribute in parts[split:]:
+            obj = _attribute(obj, attribute)
+        return obj
+    raise ImportError(f"no module of {name!r} can be imported")
+
+
+def _attribute(obj, attribute: str):
+    if not inspect.isclass(obj):
+        return getattr(obj, attribute)
+    value = inspect.getattr_static(obj, attribute)
+    if isinstance(value, property):
+        return value.fget
+    if isinstance(value, (classmethod, staticmethod)):
+        return value.__func__
+    return value
+
+
+def _source(obj) -> str:
+    """The source of `obj`, moved left so that its first line starts at column 0 (methods are indented)."""
+    lines, _ = inspect.getsourcelines(obj)
+    indent = len(lines[0]) - len(lines[0].lstrip())
+    # A line of a multi-line string may be indented less than the block: it is only moved left as far as it can go.
+    return "".join(
+        line[indent:] if len(line) > indent and not line[:indent].strip(" \t") else line.lstrip(" \t")
+        for line in lines
+    )
+
+
+def _drop_docstrings(tree: ast.AST) -> None:
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                if isinstance(first.value.value, str):
+                    node.body = node.body[1:]
+
+
+def _dump(node) -> str:
+    if isinstance(node, ast.AST):
+        fields = [
+            f"{name}={_dump(value)}" for name, value in ast.iter_fields(node) if value is not None and value != []
+        ]
+        return f"{type(node).__name__}({', '.join(fields)})"
+    if isinstance(node, list):
+        return f"[{', '.join(_dump(item) for item in node)}]"
+    return repr(node)
+
+
+def fingerprint(obj) -> str:
+    """A short hash of the code of `obj` (a function, method or class): docstrings, comments and layout ignored.
+
+    Raises:
+        TypeError, OSError: `inspect` cannot find the source of `obj`.
+    """
+    tree = ast.parse(_source(obj))
+    _drop_docstrings(tree)
+    return hashlib.sha256(_dump(tree).encode()).hexdigest()[:16]
+
+
+def current_fingerprint(name: str) -> str:
+    """`fingerprint` of the upstream object `name` in the installed transformers."""
+    return fingerprint(resolve(name))
+
+
+# --- our side: docstring references and definitions ---------------------------------------------------------------
+
+
+def package_roots() -> list[str]:
+    """The source folders of `PACKAGES`, found without importing them."""
+    roots = []
+    for package in PACKAGES:
+        spec = importlib.util.find_spec(package)
+        if spec is not None and spec.submodule_search_locations:
+            roots.extend(spec.submodule_search_locations)
+    return roots
+
+
+def _source_files(roots: list[str]):
+    """`(relative path, parsed module)` for every `.py` file under `roots`."""
+    for root in roots:
+        base = os.path.dirname(os.path.abspath(root))
+        for folder, subfolders, files in os.walk(root):
+            subfolders[:] = sorted(name for name in subfolders if name != "__pycache__")
+            for file in sorted(files):
+                if file.endswith(".py"):
+                    path = os.path.join(folder, file)
+                    with open(path, encoding="utf-8") as source:
+                        tree = ast.parse(source.read(), filename=path)
+                    yield os.path.relpath(path, base).replace(os.sep, "/"), tree
+
+
+def _documented(tree: ast.Module):
+    """`(qualified name or None for the module, node)` for the module and every class and function in it."""
+    yield None, tree
+    stack = [("", node) for node in reversed(tree.body)]
+    while stack:
+        prefix, node = stack.pop()
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            qualname = prefix + node.name
+            yield qualname, node
+            stack.extend((qualname + ".", child) for child in reversed(node.body))
+
+
+def find_references(roots: list[str] | None = None) -> list[Reference]:
+    """Every docstring reference to an upstream object in the source files under `roots` (default: `PACKAGES`)."""
+    references = []
+    for path, tree in _source_files(package_roots() if roots is None else roots):
+        for qualname, node in _documented(tree):
+            docstring = ast.get_docstring(node, clean=False) or ""
+            for match in _REFERENCE.finditer(docstring):
+                references.append(Reference(match.group(2), match.group(1), qualname or path, path))
+    return references
+
+
+def find_definitions(roots: list[str] | None = None) -> dict[str, list[str]]:
+    """Qualified name of every class and function under `roots` (default: `PACKAGES`) -> the files defining it."""
+    definitions: dict[str, list[str]] = {}
+    for path, tree in _source_files(package_roots() if roots is None else roots):
+        for qualname, _ in _documented(tree):
+            if qualname is not None:
+                definitions.setdefault(qualname, []).append(path)
+    return definitions
+
+
+def entry_for(name: str, table: dict[str, Upstream] | None = None) -> list[str]:
+    """The entries of `table` (default: `UPSTREAM`) that `name` denotes: itself, or those it is a dotted suffix of."""
+    table = UPSTREAM if table is None else table
+    if name in table:
+        return [name]
+    return [key for key in table if key.endswith("." + name)]
+
+
+def drift_message(name: str, found: str, users: list[tuple[str, str, str]], recheck: str) -> str:
+    """The failure text for upstream object `name`, whose source now fingerprints as `found` (or could not be read).
+
+    Args:
+        users: `(our qualified name, its file, what it does with the upstream object)` for each user.
+    """
+    version = PINNED_TRANSFORMERS_VERSION
+    ours = " and ".join(f"{user} ({path}), which {verb}" for user, path, verb in users) or "nothing (a stale entry)"
+    return (
+        f"{name} changed since transformers=={version} (fingerprint {UPSTREAM[name].fingerprint} -> {found}); "
+        f"re-check {ours}: {recheck}; then update its fingerprint in UPSTREAM (transformers_flexcache/upstream.py)"
+    )
+
+
+# --- the table ----------------------------------------------------------------------------------------------------
+
+_GEN = "transformers.generation.utils.GenerationMixin"
+_CACHE = "transformers.cache_utils"
+_MASKS = "transformers.masking_utils"
+_MODELING = "transformers.modeling_utils.PreTrainedModel"
+_AUTO = "transformers.models.auto.auto_factory"
+_T5 = "transformers.models.t5.modeling_t5"
+_BART = "transformers.models.bart.modeling_bart"
+_P2S = "transformers.models.pix2struct.modeling_pix2struct"
+_WHISPER = "transformers.models.whisper.modeling_whisper"
+_WHISPER_GEN = "transformers.models.whisper.generation_whisper.WhisperGenerationMixin"
+_JAMBA = "transformers.models.jamba.modeling_jamba"
+_LLAMA = "transformers.models.llama.modeling_llama"
+
+UPSTREAM: dict[str, Upstream] = {
+    # Model code that an override copies (`Derived from`): compare the branch our copy changes.
+    f"{_T5}.T5Attention.forward": Upstream(
+        "99b52aa7293bdb4e",
+        "compare the cross-attention branch (projection, `is_updated`, the cross cache's `.layers[i].keys`) and the "
+        "arguments passed to the attention interface",
+    ),
+    f"{_BART}.BartAttention.forward": Upstream(
+        "c50c793d077274b7",
+        "compare the cross-attention branch (projection, `is_updated`, `.layers[i].keys`) and the attention call",
+    ),
+    f"{_P2S}.Pix2StructTextAttention.forward": Upstream(
+        "8b4bc316ec9a5d4c",
+        "compare the cross-attention branch, the zero position bias added to it and the mask slicing",
+    ),
+    f"{_WHISPER}.WhisperAttention.forward": Upstream(
+        "e70f8716cc2842c6",
+        "compare the cross-attention branch: the query scaling before the product (`scaling=1.0`), the projection "
+        "and the `.contiguous()` calls",
+    ),
+    f"{_WHISPER}.WhisperDecoder.forward": Upstream(
+        "4ceeb4b9910b0ab6",
+        "our copy differs only by `encoder_attention_mask` (the cross mask it builds and passes to the layers): "
+        "carry every other change over, including the decorators",
+    ),
+    # generate internals that we override or wrap.
+    f"{_GEN}._prepare_cache_for_generation": Upstream(
+        "67c6cfc6d1aa80bf",
+        "our flexible branch repeats its escape routes (a user cache with `cache_implementation`, `use_cache=False`) "
+        "and its sizing (`max_cache_len` floor, batch x max(num_beams, num_return_sequences), `is_assistant`); the "
+        "refusing wrapper passes every other call through",
+        users=("_refuse_flexible_static",),
+    ),
+    f"{_GEN}._prepare_generation_config": Upstream(
+        "6d54ff1d8211c4db",
+        "Pix2Struct sets `use_cache` before it merges the call's kwargs, and padded mode calls it to resolve the "
+        "call's settings before upstream's generate does: check its signature, return value and copying of the "
+        "given config",
+    ),
+    f"{_GEN}._validate_model_kwargs": Upstream(
+        "b2e1c5ca398b0113",
+        "Whisper hides `encoder_attention_mask` from it because the check reads only signatures; drop the wrapper if "
+        "upstream starts accepting keys that reach the decoder through `**kwargs`",
+    ),
+    f"{_MODELING}.register_for_auto_class": Upstream(
+        "a72aa1f74046eef7",
+        "ours records the auto class instead of setting `_auto_class` (which would make `save_pretrained` copy "
+        "model_overrides/<model_type>.py); check what upstream still derives from `_auto_class`",
+    ),
+    f"{_MODELING}.is_custom_code": Upstream(
+        "a092d52b2d2ce7a1",
+        "ours answers as the upstream class (custom only as remote code); check what else upstream now counts as "
+        "custom code",
+    ),
+    f"{_MODELING}._can_set_experts_implementation": Upstream(
+        "1d2259851aced09d",
+        "ours asks the upstream class, because upstream inspects the source of the class's own module",
+    ),
+    f"{_MODELING}._can_set_attn_implementation": Upstream(
+        "1b55581ad3661dc1",
+        "ours asks the upstream class, because upstream inspects the source of the class's own module",
+    ),
+    # Upstream code that ours relies on without copying it.
+    f"{_GEN}._prepare_static_cache": Upstream(
+        "1a73044a4d7e2d6a",
+        "the static cache that `flexible_static` replaces: self length from `_previous_max_cache_length`, cross "
+        "length exactly the encoder's, a new cache per call; keep docs/upstream.md's PR plan and our sizing in step",
+        users=("FlexCacheGenerationMixin._flexible_cache_need", "get_flexible_cache"),
+    ),
+    f"{_GEN}.generate": Upstream(
+        "4a0fc811a6cdaffc",
+        "padded mode binds its signature (first parameter the main input, one `**kwargs`) and passes "
+        "`stopping_criteria`; the cache is prepared by `_prepare_cache_for_generation` after the encoder ran",
+        users=("FlexCacheGenerationMixin._flex_generate", "FlexCacheInnerGenerateMixin.generate"),
+    ),
+    f"{_GEN}._prepare_model_inputs": Upstream(
+        "a6e24c11df8579c8",
+        "padded mode calls it for the main input's tensor, name and batch before upstream's generate runs",
+        users=("FlexCacheGenerationMixin._pad_generate_call",),
+    ),
+    f"{_GEN}._maybe_initialize_input_ids_for_generation": Upstream(
+        "8abe592e597f94c2",
+        "padded mode drops the placeholder inputs it makes from `encoder_outputs` (-100s of shape [B, L_enc])",
+        users=("FlexCacheGenerationMixin._pad_generate_call",),
+    ),
+    f"{_GEN}._expand_inputs_for_generation": Upstream(
+        "2fc2ca833caea8fb",
+        "padded mode takes every model input whose first axis is the batch as batch-major, as this expansion does",
+        users=("pad_rows",),
+    ),
+    f"{_GEN}._prepare_generated_length": Upstream(
+        "dca0803e630e9098",
+        "padded mode turns `max_length`/`min_length` into new-token counts, which must keep taking precedence here",
+        users=("lengths_as_new_tokens",),
+    ),
+    f"{_GEN}.prepare_inputs_for_generation": Upstream(
+        "b767bffb7cdd3388",
+        "it must still call the model's `create_masks_for_generate` hook for compileable caches, with the keyword "
+        "arguments ours reads (`config`, `inputs_embeds`, `attention_mask`, `cache`, `position_ids`)",
+        users=("FlexCacheGenerationMixin.create_masks_for_generate",),
+    ),
+    "transformers.generation.configuration_utils.GenerationConfig.validate": Upstream(
+        "12f9a79aed88e1ae",
+        "`flexible_static` is accepted by appending it to the module-level `ALL_CACHE_IMPLEMENTATIONS`, which "
+        "`validate` must keep reading at call time",
+        users=("accept_cache_implementation_name",),
+    ),
+    f"{_MASKS}.create_masks_for_generate": Upstream(
+        "c4590fdbf37ae534",
+        "ours calls it and replaces a dropped full-attention mask (`None`, or `masks['full_attention'] is None`)",
+        users=("FlexCacheGenerationMixin.create_masks_for_generate",),
+    ),
+    f"{_MASKS}.create_causal_mask": Upstream(
+        "97b1fd3b4a4ac010",
+        "padded mode needs `allow_is_causal_skip=False`, and the mask sized by `get_mask_sizes`; SDPA must keep "
+        "dropping a decode mask only for caches that are not compileable",
+        users=("FlexCacheGenerationMixin.create_masks_for_generate", "FlexiblePaddedLinearAttentionLayer"),
+    ),
+    f"{_MASKS}.create_bidirectional_mask": Upstream(
+        "e199d91ca7f804e3",
+        "the cross mask of T5, BART and Pix2Struct (and our Whisper decoder's) comes from it, sized by "
+        "`encoder_hidden_states` of the call, which is the length `get_kv` returns; check that it still ignores the "
+        "cache and still returns None for an all-ones mask under SDPA",
+        users=("FlexWhisperDecoder.forward", "FlexibleEncoderDecoderCache.cross_attention_kv"),
+    ),
+    # Cache internals.
+    f"{_CACHE}.Cache.__init__": Upstream(
+        "58c8a2efac688f7e",
+        "FlexibleStaticCache passes its own layers (`layers=`); check the other attributes it sets",
+        users=("FlexibleStaticCache.__init__",),
+    ),
+    f"{_CACHE}.Cache.early_initialization": Upstream(
+        "015e1b2f23a910f3",
+        "ours only makes room for the batch (storage exists from construction); keep its signature",
+        users=("FlexibleStaticCache.early_initialization", "FlexibleEncoderDecoderCache.early_initialization"),
+    ),
+    f"{_CACHE}.Cache.has_previous_state": Upstream(
+        "beb6560988872269",
+        "it reads `layer.has_previous_state[state_idx]` from our linear-attention layers",
+        users=("FlexibleLinearAttentionLayer.__init__", "FlexibleLinearAttentionLayer.reset"),
+    ),
+    f"{_CACHE}.Cache.is_recording_past": Upstream(
+        "7f5d1323e7361e75",
+        "it reads `layer.record_past` from our linear-attention layers",
+        users=("FlexibleLinearAttentionLayer.activate_past_recording",),
+    ),
+    f"{_CACHE}.CacheLayerMixin": Upstream(
+        "a27bb2cc580e0b97",
+        "FlexibleStaticLayer subclasses it without calling its `__init__` and exposes `keys`/`values` as live "
+        "views: check new abstract methods and attributes that upstream code reads from layers",
+        users=("FlexibleStaticLayer",),
+    ),
+    f"{_CACHE}.LinearAttentionCacheLayerMixin": Upstream(
+        "98e3de5f80302045",
+        "FlexibleLinearAttentionLayer subclasses it: check new abstract methods and attributes read from layers",
+        users=("FlexibleLinearAttentionLayer",),
+    ),
+    f"{_CACHE}.StaticLayer": Upstream(
+        "6ee2f5577d958b67",
+        "the padded layers reproduce its compile contract (static addresses, a 0-d `cumulative_length`, "
+        "`get_mask_sizes` at capacity, zeroing on reset) at any batch; the exact layer's `crop` refusal follows it",
+        users=("FlexiblePaddedLayer", "FlexibleStaticLayer.crop"),
+    ),
+    f"{_CACHE}.LinearAttentionLayer": Upstream(
+        "af5c93646e818516",
+        "`update_conv_state` reproduces its prefill left-padding to the kernel and its decode concatenation",
+        users=("FlexibleLinearAttentionLayer.update_conv_state", "FlexiblePaddedLinearAttentionLayer"),
+    ),
+    f"{_CACHE}.StaticCache.__init__": Upstream(
+        "2ed96253da7d4536",
+        "our layers are sized from the config as it sizes its layers (`get_layer_types_and_kwargs`, "
+        "`get_head_shapes`)",
+        users=("_layer_shapes",),
+    ),
+    f"{_CACHE}.get_layer_types_and_kwargs": Upstream(
+        "86ccd1e062c43c81",
+        "our layer types come from it; a new layer type must be refused or supported",
+        users=("_layer_shapes",),
+    ),
+    "transformers.configuration_utils.get_head_shapes": Upstream(
+        "691a9c3ac158fad2",
+        "our kv heads and head dims come from it",
+        users=("_layer_shapes",),
+    ),
+    f"{_CACHE}.EncoderDecoderCache.__init__": Upstream(
+        "a52be3230380d188",
+        "FlexibleEncoderDecoderCache passes two caches and relies on it setting only `self_attention_cache`, "
+        "`cross_attention_cache` and `is_updated` (it never calls `Cache.__init__`)",
+        users=("FlexibleEncoderDecoderCache.__init__",),
+    ),
+    f"{_CACHE}.EncoderDecoderCache.crop": Upstream(
+        "69fcbd39d76548dc",
+        "inherited: it refuses caches that are not DynamicCaches, so assisted decoding refuses ours",
+        users=("FlexibleEncoderDecoderCache",),
+    ),
+    f"{_CACHE}.EncoderDecoderCache.reset": Upstream(
+        "cdaa59dd4c34ed9f",
+        "inherited: `generate` resets our cache through it (both caches, then `is_updated`)",
+        users=("FlexibleEncoderDecoderCache", "get_flexible_cache"),
+    ),
+    # Model code that our "no change needed" claims rest on (module docstrings of model_overrides/*.py).
+    f"{_T5}.T5Stack.forward": Upstream(
+        "63ded9a56b4564c7",
+        "it must keep building the cross mask from the encoder mask and `encoder_hidden_states` only, and taking "
+        "positions from `get_seq_length`",
+        users=("FlexT5ForConditionalGeneration",),
+    ),
+    f"{_BART}.BartDecoder.forward": Upstream(
+        "603f3159d38cc539",
+        "learned positions from `get_seq_length()`, the causal mask from `get_mask_sizes`, the cross mask from the "
+        "encoder mask and `encoder_hidden_states`",
+        users=("FlexBartForConditionalGeneration",),
+    ),
+    f"{_P2S}.Pix2StructTextModel.forward": Upstream(
+        "23af4396d10876a9",
+        "the cross mask from the patch mask and `encoder_hidden_states`, positions from `get_seq_length`",
+        users=("FlexPix2StructForConditionalGeneration",),
+    ),
+    f"{_P2S}.Pix2StructTextBlock.forward": Upstream(
+        "63634b5957605933",
+        "it passes `cache` and `layer_idx` to attention but not `**kwargs`; ours needs only the cache",
+        users=("FlexPix2StructTextAttention.forward",),
+    ),
+    "transformers.models.pix2struct.configuration_pix2struct.Pix2StructTextConfig": Upstream(
+        "c2a0400bf00c31de",
+        "`use_cache` defaults to False, which is why our generate turns it on for `flexible_static`",
+        users=("FlexPix2StructForConditionalGeneration._prepare_generation_config",),
+    ),
+    f"{_WHISPER}.WhisperModel.forward": Upstream(
+        "26e83f3823a80f1c",
+        "`encoder_attention_mask` must keep reaching the decoder through `**kwargs`",
+        users=("FlexWhisperForConditionalGeneration",),
+    ),
+    f"{_WHISPER_GEN}.generate": Upstream(
+        "45371c52fb7cf6ff",
+        "its segments and fallbacks call upstream's generate through `super()`, which reaches "
+        "FlexCacheInnerGenerateMixin (just before GenerationMixin among the bases); check the batch it passes per call",
+        users=("FlexCacheInnerGenerateMixin.generate", "FlexWhisperForConditionalGeneration"),
+    ),
+    f"{_WHISPER_GEN}.generate_with_fallback": Upstream(
+        "132d84628170b535",
+        "the per-segment `super().generate(...)` call that padded mode pads",
+        users=("FlexCacheInnerGenerateMixin.generate",),
+    ),
+    f"{_WHISPER_GEN}._postprocess_outputs": Upstream(
+        "a77212fbddec66a7",
+        "it rebuilds the returned cache per row from `.layers[i].keys/.values`, which our layers expose as live views",
+        users=("FlexibleStaticLayer.keys", "FlexibleStaticLayer.values"),
+    ),
+    f"{_WHISPER_GEN}._stack_split_outputs": Upstream(
+        "9feb632b85fb5f01",
+        "it stacks per-row caches back from each layer's `keys`/`values`",
+        users=("FlexibleStaticLayer.keys", "FlexibleStaticLayer.values"),
+    ),
+    f"{_JAMBA}.JambaMambaMixer.__init__": Upstream(
+        "67988ea2e73f7d4b",
+        "our conv and recurrent state shapes are read from the config as it reads them",
+        users=("_linear_attention_shapes",),
+    ),
+    f"{_JAMBA}.JambaMambaMixer.forward": Upstream(
+        "2d05f7bf3c832ffc",
+        "it writes the states that `get_conv_state`/`get_recurrent_state` return in place while decoding, which is "
+        "why ours return views of the storage",
+        users=("FlexibleStaticCache.get_conv_state", "FlexibleStaticCache.get_recurrent_state"),
+    ),
+    f"{_JAMBA}.JambaAttention.forward": Upstream(
+        "53c3cae9ae3f5f07",
+        "it reaches the cache only through `update`",
+        users=("FlexJambaForCausalLM",),
+    ),
+    f"{_JAMBA}.JambaModel.forward": Upstream(
+        "070fffd7b5cd1d7c",
+        "positions from `get_seq_length()`, the causal mask from `get_mask_sizes` (first attention layer)",
+        users=("FlexJambaForCausalLM",),
+    ),
+    "transformers.integrations.moe.use_experts_implementation": Upstream(
+        "689a7aee51835bc3",
+        "the experts kernels dispatch on `config._experts_implementation`, which our classes let upstream set",
+        users=("FlexModelMixin._can_set_experts_implementation",),
+    ),
+    f"{_LLAMA}.LlamaAttention.forward": Upstream(
+        "1aac73b13aa4485d",
+        "it reaches the cache only through `update`",
+        users=("FlexLlamaForCausalLM",),
+    ),
+    f"{_LLAMA}.LlamaModel.forward": Upstream(
+        "bc2850726d4cb3e6",
+        "positions from `get_seq_length()`, the causal mask from `get_mask_sizes`",
+        users=("FlexLlamaForCausalLM",),
+    ),
+    # Model loading and registration.
+    f"{_MODELING}.__init__": Upstream(
+        "4e500dda2b392c6b",
+        "a class swap never runs it; `swap_module_classes` repeats its `_CAN_RECORD_REGISTRY` registration",
+        users=("swap_module_classes",),
+    ),
+    f"{_MODELING}.save_pretrained": Upstream(
+        "6a24bddc0b2fd277",
+        "ours sets `config.auto_map` only while it runs, refuses `push_to_hub=True` (upstream uploads inside it) "
+        "and writes modeling_flexcache.py after it",
+        users=("FlexModelMixin.save_pretrained",),
+    ),
+    f"{_MODELING}.can_generate": Upstream(
+        "7ebb8db309a0a03a",
+        "it looks for `GenerationMixin` among the direct bases, which is why every override lists it",
+        users=("FlexModelMixin",),
+    ),
+    f"{_AUTO}._BaseAutoModelClass.from_pretrained": Upstream(
+        "ed9092026e36ecf6",
+        "with `trust_remote_code` it registers the class and calls its `register_for_auto_class`",
+        users=("FlexModelMixin.register_for_auto_class", "write_remote_code_module"),
+    ),
+    f"{_AUTO}._LazyAutoMapping.__getitem__": Upstream(
+        "7a8281aa8c44f44e",
+        "`register()` writes `_extra_content` and reads `_model_mapping`, which it must keep consulting in this order",
+        users=("register", "unregister", "mapped_class_names"),
+    ),
+    f"{_AUTO}._LazyAutoMapping.register": Upstream(
+        "0c65df6ac2e90083",
+        "`register()` edits `_extra_content` directly instead of calling it (to restore it exactly)",
+        users=("register", "unregister"),
+    ),
+}

@@ -41,8 +41,9 @@ _last_cache = threading.local()
 class FlexCacheGenerationMixin(FixedShapeMasksMixin):
     """Adds `cache_implementation="flexible_static"` to a model's `generate`.
 
-    Put it before the upstream model class: `class FlexT5ForConditionalGeneration(FlexCacheGenerationMixin,
-    T5ForConditionalGeneration)`. Other cache implementations go to upstream unchanged.
+    It reaches override models through `FlexModelMixin`, before the upstream class: `class
+    FlexT5ForConditionalGeneration(FlexModelMixin, T5ForConditionalGeneration, GenerationMixin)`. Other cache
+    implementations go to upstream unchanged.
     """
 
     # The model input that masks encoder positions in cross-attention (padded with the encoder outputs).
@@ -196,10 +197,10 @@ class FlexCacheInnerGenerateMixin(GenerationMixin):
 
     Each of those calls is a call of its own: it leases a cache (and gives it back when it returns), and a shape
     policy pads it, not the model's whole call (padding around the model's own generate would pad the wrong batch:
-    its inner calls see the batch shrink as rows finish). Put this class last among the override's bases:
-    `class FlexWhisperForConditionalGeneration(FlexModelMixin, WhisperForConditionalGeneration,
-    FlexCacheInnerGenerateMixin)`. Python's method resolution order then places it right before `GenerationMixin`, so
-    the model's `super().generate(...)` reaches this `generate`.
+    its inner calls see the batch shrink as rows finish). Put this class right before `GenerationMixin`, which comes
+    last among the override's bases: `class FlexWhisperForConditionalGeneration(FlexModelMixin,
+    WhisperForConditionalGeneration, FlexCacheInnerGenerateMixin, GenerationMixin)`. Python's method resolution order
+    then places it right before `GenerationMixin`, so the model's `super().generate(...)` reaches this `generate`.
     """
 
     def generate(self, *args, **kwargs):

@@ -365,7 +365,8 @@ class FixedShapeMasksMixin:
     """Builds the masks of fixed-shape calls the same way at every call (a base of `FlexCacheGenerationMixin`)."""
 
     def create_masks_for_generate(self, **mask_kwargs):
-        """The hook `GenerationMixin.prepare_inputs_for_generation` (transformers==5.24.0) calls for compileable caches.
+        """Wraps `transformers.masking_utils.create_masks_for_generate` (transformers==5.24.0): the hook
+        `GenerationMixin.prepare_inputs_for_generation` calls for compileable caches.
 
         Differences from upstream's (the model's own, else `masking_utils.create_masks_for_generate`): with a padded
         flexible cache, a full-attention mask that SDPA would drop in favour of `is_causal` (a prompt without padding)

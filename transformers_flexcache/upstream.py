@@ -282,7 +282,7 @@ UPSTREAM: dict[str, Upstream] = {
         "our flexible branch repeats its escape routes (a user cache with `cache_implementation`, `use_cache=False`) "
         "and its sizing (`max_cache_len` floor, batch x max(num_beams, num_return_sequences), `is_assistant`); the "
         "refusing wrapper passes every other call through",
-        users=("_refuse_flexible_static",),
+        users=("_refusing",),
     ),
     f"{_GEN}._prepare_generation_config": Upstream(
         "6d54ff1d8211c4db",
@@ -318,23 +318,23 @@ UPSTREAM: dict[str, Upstream] = {
         "1a73044a4d7e2d6a",
         "the static cache that `flexible_static` replaces: self length from `_previous_max_cache_length`, cross "
         "length exactly the encoder's, a new cache per call; keep docs/upstream.md's PR plan and our sizing in step",
-        users=("FlexCacheGenerationMixin._flexible_cache_need", "get_flexible_cache"),
+        users=("FlexCacheGenerationMixin._flexible_cache_need", "CachePool.lease"),
     ),
     f"{_GEN}.generate": Upstream(
         "4a0fc811a6cdaffc",
         "padded mode binds its signature (first parameter the main input, one `**kwargs`) and passes "
         "`stopping_criteria`; the cache is prepared by `_prepare_cache_for_generation` after the encoder ran",
-        users=("FlexCacheGenerationMixin._flex_generate", "FlexCacheInnerGenerateMixin.generate"),
+        users=("PaddedPolicy.generate", "FlexCacheInnerGenerateMixin.generate"),
     ),
     f"{_GEN}._prepare_model_inputs": Upstream(
         "a6e24c11df8579c8",
         "padded mode calls it for the main input's tensor, name and batch before upstream's generate runs",
-        users=("FlexCacheGenerationMixin._pad_generate_call",),
+        users=("PaddedPolicy._pad_call",),
     ),
     f"{_GEN}._maybe_initialize_input_ids_for_generation": Upstream(
         "8abe592e597f94c2",
         "padded mode drops the placeholder inputs it makes from `encoder_outputs` (-100s of shape [B, L_enc])",
-        users=("FlexCacheGenerationMixin._pad_generate_call",),
+        users=("PaddedPolicy._pad_call",),
     ),
     f"{_GEN}._expand_inputs_for_generation": Upstream(
         "2fc2ca833caea8fb",
@@ -350,24 +350,23 @@ UPSTREAM: dict[str, Upstream] = {
         "b767bffb7cdd3388",
         "it must still call the model's `create_masks_for_generate` hook for compileable caches, with the keyword "
         "arguments ours reads (`config`, `inputs_embeds`, `attention_mask`, `cache`, `position_ids`)",
-        users=("FlexCacheGenerationMixin.create_masks_for_generate",),
+        users=("FixedShapeMasksMixin.create_masks_for_generate",),
     ),
     "transformers.generation.configuration_utils.GenerationConfig.validate": Upstream(
         "12f9a79aed88e1ae",
         "`flexible_static` is accepted by appending it to the module-level `ALL_CACHE_IMPLEMENTATIONS`, which "
         "`validate` must keep reading at call time",
-        users=("accept_cache_implementation_name",),
+        users=("_accept_name",),
     ),
     f"{_MASKS}.create_masks_for_generate": Upstream(
         "c4590fdbf37ae534",
         "ours calls it and replaces a dropped full-attention mask (`None`, or `masks['full_attention'] is None`)",
-        users=("FlexCacheGenerationMixin.create_masks_for_generate",),
     ),
     f"{_MASKS}.create_causal_mask": Upstream(
         "97b1fd3b4a4ac010",
         "padded mode needs `allow_is_causal_skip=False`, and the mask sized by `get_mask_sizes`; SDPA must keep "
         "dropping a decode mask only for caches that are not compileable",
-        users=("FlexCacheGenerationMixin.create_masks_for_generate", "FlexiblePaddedLinearAttentionLayer"),
+        users=("FlexiblePaddedLinearAttentionLayer",),
     ),
     f"{_MASKS}.create_bidirectional_mask": Upstream(
         "e199d91ca7f804e3",
@@ -423,17 +422,17 @@ UPSTREAM: dict[str, Upstream] = {
         "2ed96253da7d4536",
         "our layers are sized from the config as it sizes its layers (`get_layer_types_and_kwargs`, "
         "`get_head_shapes`)",
-        users=("_layer_shapes",),
+        users=("layer_specs_from_config",),
     ),
     f"{_CACHE}.get_layer_types_and_kwargs": Upstream(
         "86ccd1e062c43c81",
         "our layer types come from it; a new layer type must be refused or supported",
-        users=("_layer_shapes",),
+        users=("layer_specs_from_config",),
     ),
     "transformers.configuration_utils.get_head_shapes": Upstream(
         "691a9c3ac158fad2",
         "our kv heads and head dims come from it",
-        users=("_layer_shapes",),
+        users=("layer_specs_from_config",),
     ),
     f"{_CACHE}.EncoderDecoderCache.__init__": Upstream(
         "a52be3230380d188",
@@ -443,13 +442,13 @@ UPSTREAM: dict[str, Upstream] = {
     ),
     f"{_CACHE}.EncoderDecoderCache.crop": Upstream(
         "69fcbd39d76548dc",
-        "inherited: it refuses caches that are not DynamicCaches, so assisted decoding refuses ours",
-        users=("FlexibleEncoderDecoderCache",),
+        "ours crops the self-attention half, where upstream refuses caches that are not DynamicCaches; check what "
+        "else upstream's crop now does (e.g. to the cross-attention half)",
     ),
     f"{_CACHE}.EncoderDecoderCache.reset": Upstream(
         "cdaa59dd4c34ed9f",
         "inherited: `generate` resets our cache through it (both caches, then `is_updated`)",
-        users=("FlexibleEncoderDecoderCache", "get_flexible_cache"),
+        users=("FlexibleEncoderDecoderCache.renewed",),
     ),
     # Model code that our "no change needed" claims rest on (module docstrings of model_overrides/*.py).
     f"{_T5}.T5Stack.forward": Upstream(
@@ -497,7 +496,8 @@ UPSTREAM: dict[str, Upstream] = {
     ),
     f"{_WHISPER_GEN}._postprocess_outputs": Upstream(
         "a77212fbddec66a7",
-        "it rebuilds the returned cache per row from `.layers[i].keys/.values`, which our layers expose as live views",
+        "ours keeps the flexible cache out of its per-row split (no CPU copy); it still splits every other output, "
+        "and, for a fallback, rows are copied as it copies them (from `.layers[i].keys/.values`)",
         users=("FlexibleStaticLayer.keys", "FlexibleStaticLayer.values"),
     ),
     f"{_WHISPER_GEN}._stack_split_outputs": Upstream(
@@ -508,7 +508,7 @@ UPSTREAM: dict[str, Upstream] = {
     f"{_JAMBA}.JambaMambaMixer.__init__": Upstream(
         "67988ea2e73f7d4b",
         "our conv and recurrent state shapes are read from the config as it reads them",
-        users=("_linear_attention_shapes",),
+        users=("linear_attention_shapes",),
     ),
     f"{_JAMBA}.JambaMambaMixer.forward": Upstream(
         "2d05f7bf3c832ffc",

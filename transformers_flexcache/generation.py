@@ -17,6 +17,7 @@ Design decisions:
 from __future__ import annotations
 
 import threading
+import weakref
 
 from transformers.generation.utils import GenerationMixin
 
@@ -36,6 +37,13 @@ from .request import (
 )
 
 _last_cache = threading.local()
+
+
+def _last_caches() -> weakref.WeakKeyDictionary:
+    """This thread's last flexible cache per model (weakly keyed: a model's entry goes with the model)."""
+    if not hasattr(_last_cache, "by_model"):
+        _last_cache.by_model = weakref.WeakKeyDictionary()
+    return _last_cache.by_model
 
 
 class FlexCacheGenerationMixin(FixedShapeMasksMixin):
@@ -103,7 +111,7 @@ class FlexCacheGenerationMixin(FixedShapeMasksMixin):
         Its storage may since have been reused by a later call (in this or another thread): it is then stale, and
         raises on use. `transformers_flexcache.held_nbytes(model)` tells what the model holds.
         """
-        return getattr(_last_cache, "by_model", {}).get(id(self))
+        return _last_caches().get(self)
 
     def _flexible_cache_need(self, generation_config, model_kwargs: dict, batch_size: int, max_cache_length: int):
         """Rows, decoder positions and (encoder-decoder) encoder positions that this generate call needs."""
@@ -186,7 +194,7 @@ class FlexCacheGenerationMixin(FixedShapeMasksMixin):
             )
         hold_for_call(lease)
         model_kwargs["cache"] = lease.cache
-        _last_cache.__dict__.setdefault("by_model", {})[id(self)] = lease.cache
+        _last_caches()[self] = lease.cache
         if generation_config.is_assistant:
             lease.cache.activate_past_recording()
 

@@ -24,7 +24,18 @@ from .modeling import FlexModelMixin, swap_module_classes
 from .request import FLEXIBLE_STATIC
 
 # model_type -> module under model_overrides/ that defines its override classes (`FLEX_MODEL_CLASSES`).
-SUPPORTED_MODEL_TYPES = ("llama", "t5", "bart", "whisper", "jamba", "pix2struct")
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "t5",
+    "bart",
+    "whisper",
+    "jamba",
+    "pix2struct",
+    "marian",
+    "m2m_100",
+    "mbart",
+    "pegasus",
+)
 
 _MISSING = object()
 # What register() replaced, to restore it exactly: (mapping id, config class) -> the previous entry, and the

@@ -2,7 +2,8 @@
 
 Two sizes per model type:
 - `tiny_config(model_type)`: 2 layers, hidden 32, vocab 99: the test models (and `bench --quick`).
-- `real_config(model_type)`: t5-small, bart-base, whisper-tiny and a ~100M-parameter Llama: the benchmark's.
+- `real_config(model_type)`: t5-small, bart-base, whisper-tiny, opus-mt-en-de-sized Marian, a ~100M-parameter Llama
+  and a ~100M-parameter Qwen2: the benchmark's.
 
 Design decisions:
 - Random models must give outputs that vary, or token equality proves nothing. So output embeddings are untied from
@@ -17,6 +18,10 @@ from transformers import (
     BartConfig,
     JambaConfig,
     LlamaConfig,
+    M2M100Config,
+    MarianConfig,
+    MBartConfig,
+    PegasusConfig,
     Pix2StructConfig,
     PreTrainedConfig,
     T5Config,
@@ -150,6 +155,50 @@ def _bart_tiny() -> BartConfig:
     )
 
 
+def _bart_family_tiny(config_class: type, **kwargs) -> PreTrainedConfig:
+    # BART's tiny shape and init (see `_bart_tiny`) for the models whose attention upstream copies from BART's.
+    # The decoder starts from EOS unless the model type's own convention is kept in `kwargs` (Marian and Pegasus
+    # start from the pad token).
+    defaults = {
+        "vocab_size": TINY_VOCAB,
+        "d_model": 32,
+        "encoder_layers": 2,
+        "decoder_layers": 2,
+        "encoder_attention_heads": 4,
+        "decoder_attention_heads": 4,
+        "encoder_ffn_dim": 37,
+        "decoder_ffn_dim": 37,
+        "max_position_embeddings": 64,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "decoder_start_token_id": 2,
+        "forced_eos_token_id": 2,
+        "tie_word_embeddings": False,
+        "init_std": 0.2,
+    }
+    return config_class(**{**defaults, **kwargs})
+
+
+def _marian_tiny() -> MarianConfig:
+    # Marian starts decoding from the pad token and scales its embeddings, as opus-mt checkpoints do. At BART's init
+    # spread (0.2) every row decodes the same token over and over whatever its input; 0.5 gives rows of their own.
+    return _bart_family_tiny(MarianConfig, decoder_start_token_id=0, scale_embedding=True, init_std=0.5)
+
+
+def _m2m_100_tiny() -> M2M100Config:
+    return _bart_family_tiny(M2M100Config)
+
+
+def _mbart_tiny() -> MBartConfig:
+    return _bart_family_tiny(MBartConfig)
+
+
+def _pegasus_tiny() -> PegasusConfig:
+    # Pegasus starts decoding from the pad token and scales its embeddings, as its checkpoints do.
+    return _bart_family_tiny(PegasusConfig, decoder_start_token_id=0, scale_embedding=True)
+
+
 def _pix2struct_tiny() -> Pix2StructConfig:
     text_config = {
         "vocab_size": TINY_VOCAB,
@@ -229,6 +278,10 @@ TINY_CONFIGS = {
     "whisper": _whisper_tiny,
     "jamba": _jamba_tiny,
     "pix2struct": _pix2struct_tiny,
+    "marian": _marian_tiny,
+    "m2m_100": _m2m_100_tiny,
+    "mbart": _mbart_tiny,
+    "pegasus": _pegasus_tiny,
 }
 REAL_CONFIGS = {"t5": _t5_small, "bart": _bart_base, "whisper": _whisper_real, "llama": _llama_100m}
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import transformers
 from transformers import (
     BartForConditionalGeneration,
     JambaForCausalLM,
@@ -25,6 +26,7 @@ from transformers import (
     WhisperForConditionalGeneration,
 )
 from transformers.modeling_outputs import BaseModelOutput
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from model_overrides.bart import FlexBartForConditionalGeneration
 from model_overrides.jamba import FlexJambaForCausalLM
@@ -38,6 +40,7 @@ from model_overrides.t5 import FlexT5ForConditionalGeneration
 from model_overrides.whisper import FlexWhisperForConditionalGeneration
 from tests.helpers import SCORE_ATOL
 from transformers_flexcache import zoo
+from transformers_flexcache.generic import flex_class_for
 
 VOCAB = zoo.TINY_VOCAB
 WHISPER_MAX_SOURCE_POSITIONS = zoo.WHISPER_TINY_MAX_SOURCE_POSITIONS
@@ -235,4 +238,44 @@ M2M_100 = _bart_family_case("m2m_100", M2M100ForConditionalGeneration, FlexM2M10
 MBART = _bart_family_case("mbart", MBartForConditionalGeneration, FlexMBartForConditionalGeneration)
 PEGASUS = _bart_family_case("pegasus", PegasusForConditionalGeneration, FlexPegasusForConditionalGeneration)
 
-MODEL_CASES = [LLAMA, T5, BART, WHISPER, JAMBA, PIX2STRUCT, MARIAN, M2M_100, MBART, PEGASUS]
+
+def _generic_case(model_type: str) -> ModelCase:
+    """A case for a decoder-only model with no module change: its `AutoModelForCausalLM` class, and the override the
+    generic route builds for it; left-padded prompts, as Llama's."""
+    upstream_class = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+    return ModelCase(
+        name=model_type,
+        build_config=lambda: zoo.tiny_config(model_type),
+        upstream_class=upstream_class,
+        flex_class=flex_class_for(upstream_class),
+        make_inputs=lambda b, n, g: _token_inputs(b, n, g, padding_side="left"),
+    )
+
+
+# Sliding windows of 4 positions (zoo.TINY_SLIDING_WINDOW): Qwen2 and Gemma3 mix full and sliding-window layers,
+# Mistral has only sliding-window ones.
+QWEN2 = _generic_case("qwen2")
+QWEN3 = _generic_case("qwen3")
+MISTRAL = _generic_case("mistral")
+PHI3 = _generic_case("phi3")
+GPT2 = _generic_case("gpt2")
+GEMMA3_TEXT = _generic_case("gemma3_text")
+
+MODEL_CASES = [
+    LLAMA,
+    T5,
+    BART,
+    WHISPER,
+    JAMBA,
+    PIX2STRUCT,
+    MARIAN,
+    M2M_100,
+    MBART,
+    PEGASUS,
+    QWEN2,
+    QWEN3,
+    MISTRAL,
+    PHI3,
+    GPT2,
+    GEMMA3_TEXT,
+]

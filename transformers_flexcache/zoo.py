@@ -16,14 +16,20 @@ from __future__ import annotations
 
 from transformers import (
     BartConfig,
+    Gemma3TextConfig,
+    GPT2Config,
     JambaConfig,
     LlamaConfig,
     M2M100Config,
     MarianConfig,
     MBartConfig,
+    MistralConfig,
     PegasusConfig,
+    Phi3Config,
     Pix2StructConfig,
     PreTrainedConfig,
+    Qwen2Config,
+    Qwen3Config,
     T5Config,
     WhisperConfig,
 )
@@ -61,6 +67,74 @@ def _llama_tiny() -> LlamaConfig:
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
+    )
+
+
+# Sliding window of the tiny sliding-window models: shorter than the prompts and generations of the tests, so that
+# every call attends past it and drops positions.
+TINY_SLIDING_WINDOW = 4
+
+
+def _decoder_only_tiny(config_class: type, **kwargs) -> PreTrainedConfig:
+    # Llama's tiny shape (see `_llama_tiny`) for the decoder-only models that need no module change.
+    defaults = {
+        "vocab_size": TINY_VOCAB,
+        "hidden_size": 32,
+        "intermediate_size": 37,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 128,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "tie_word_embeddings": False,
+    }
+    return config_class(**{**defaults, **kwargs})
+
+
+def _qwen2_tiny() -> Qwen2Config:
+    # Hybrid, as Qwen2 checkpoints with `use_sliding_window`: layer 0 full attention, layer 1 a sliding window.
+    return _decoder_only_tiny(
+        Qwen2Config, use_sliding_window=True, sliding_window=TINY_SLIDING_WINDOW, max_window_layers=1
+    )
+
+
+def _qwen3_tiny() -> Qwen3Config:
+    return _decoder_only_tiny(Qwen3Config, head_dim=8)
+
+
+def _mistral_tiny() -> MistralConfig:
+    # Every layer a sliding window, as Mistral-7B v0.1.
+    return _decoder_only_tiny(MistralConfig, sliding_window=TINY_SLIDING_WINDOW)
+
+
+def _phi3_tiny() -> Phi3Config:
+    return _decoder_only_tiny(Phi3Config)
+
+
+def _gemma3_text_tiny() -> Gemma3TextConfig:
+    # Hybrid as Gemma 3 (5 sliding layers per full one there): layer 0 a sliding window, layer 1 full attention.
+    return _decoder_only_tiny(
+        Gemma3TextConfig,
+        head_dim=8,
+        sliding_window=TINY_SLIDING_WINDOW,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+
+
+def _gpt2_tiny() -> GPT2Config:
+    return GPT2Config(
+        vocab_size=TINY_VOCAB,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_inner=37,
+        n_positions=128,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
     )
 
 
@@ -282,6 +356,12 @@ TINY_CONFIGS = {
     "m2m_100": _m2m_100_tiny,
     "mbart": _mbart_tiny,
     "pegasus": _pegasus_tiny,
+    "qwen2": _qwen2_tiny,
+    "qwen3": _qwen3_tiny,
+    "mistral": _mistral_tiny,
+    "phi3": _phi3_tiny,
+    "gpt2": _gpt2_tiny,
+    "gemma3_text": _gemma3_text_tiny,
 }
 REAL_CONFIGS = {"t5": _t5_small, "bart": _bart_base, "whisper": _whisper_real, "llama": _llama_100m}
 

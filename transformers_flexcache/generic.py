@@ -112,7 +112,25 @@ def reasons_against(upstream_class: type) -> list[str]:
     override.
     """
     blocking, _ = _unreviewed(upstream_class)
-    return [read.describe() for read in blocking]
+    by_function: dict[str, list[CacheRead]] = {}
+    for read in blocking:
+        by_function.setdefault(read.function, []).append(read)
+    return [_describe(reads) for reads in by_function.values()]
+
+
+def _describe(reads: list[CacheRead]) -> str:
+    """`XGLMAttention.forward (transformers/models/xglm/modeling_xglm.py) reads `a` (line 1), `b` (lines 2, 3)`: the
+    outermost expressions only (`c.layers[i].keys`, not also `c.layers`)."""
+    lines: dict[str, list[int]] = {}
+    for read in reads:
+        same_line = [other.code for other in reads if other.line == read.line and other.code != read.code]
+        if not any(read.code in code for code in same_line):
+            lines.setdefault(read.code, []).append(read.line)
+    spelled = ", ".join(
+        f"`{code}` (line{'s' if len(numbers) > 1 else ''} {', '.join(map(str, numbers))})"
+        for code, numbers in lines.items()
+    )
+    return f"{reads[0].short_name} ({reads[0].path}) reads {spelled}"
 
 
 def config_reasons_against(upstream_class: type, config: PreTrainedConfig) -> list[str]:
@@ -125,8 +143,13 @@ def config_reasons_against(upstream_class: type, config: PreTrainedConfig) -> li
     reasons = []
     try:
         layer_specs_from_config(config)
-    except ValueError as error:
+    except ValueError as error:  # a layer type the cache does not hold, or no attention layer
         reasons.append(f"{error}; needed: a layer class for them in transformers_flexcache/cache/")
+    except AttributeError as error:  # no attention sizes to read (e.g. a model without attention)
+        reasons.append(
+            f"FlexibleStaticCache cannot read the attention layers of {type(config).__name__} ({error}); needed: a "
+            "layer class for its states in transformers_flexcache/cache/"
+        )
     _, reviewed = _unreviewed(upstream_class)
     for review, reads in reviewed:
         if not review.holds(config):

@@ -170,25 +170,27 @@ def convert(model):
     config allow it: a decoder-only model whose code reaches the cache only through public methods.
 
     Raises:
-        TypeError: the model's class has no override and the generic route refuses it; the message says why (which
-            function reads which cache internal, or which layer type the cache does not hold) and lists the classes
-            that have an override.
+        TypeError: the model's class has no written override and the generic route refuses it (its source, or this
+            model's config); the message says why (which function reads which cache internal, which layer type the
+            cache does not hold) and lists the classes that have an override.
     """
     if isinstance(model, FlexModelMixin):
         return model
+    from .generic import GenericFlexModelMixin, flex_class_for
+
     by_upstream = {flex_class.flex_upstream_class(): flex_class for flex_class in flex_model_classes()}
     flex_class = by_upstream.get(type(model))
-    if flex_class is None:
+    if flex_class is None or issubclass(flex_class, GenericFlexModelMixin):
         why = _generic_refusal(type(model), model.config)
+        if why is not None and flex_class is not None:
+            raise TypeError(f"{type(model).__name__} with this config cannot be converted: {why}")
         if why is not None:
             supported = sorted(upstream.__name__ for upstream in by_upstream)
             raise TypeError(
                 f"{type(model).__name__} has no flexcache override; supported classes are {supported}, and the "
                 f"generic route for decoder-only models refuses it: {why}"
             )
-        from .generic import flex_class_for
-
-        flex_class = flex_class_for(type(model))
+        flex_class = flex_class or flex_class_for(type(model))
     model.__class__ = flex_class
     swap_module_classes(model, flex_class._flex_module_classes)
     return model

@@ -1,7 +1,8 @@
 """Seeded random models from upstream config classes, for tests and the benchmark: no downloads.
 
 Two sizes per model type:
-- `tiny_config(model_type)`: 2 layers, hidden 32, vocab 99: the test models (and `bench --quick`).
+- `tiny_config(model_type)`: 2 layers, hidden 32, vocab 99: the test models (and `bench --quick`). Sliding-window
+  models get a window of `TINY_SLIDING_WINDOW` positions, shorter than the tests' prompts.
 - `real_config(model_type)`: t5-small, bart-base, whisper-tiny, opus-mt-en-de-sized Marian, a ~100M-parameter Llama
   and a ~100M-parameter Qwen2: the benchmark's.
 
@@ -9,7 +10,8 @@ Design decisions:
 - Random models must give outputs that vary, or token equality proves nothing. So output embeddings are untied from
   the input ones (tied, the tiny models echo the token they just read), in one way for every T5 (`untie_t5`), and
   some init spreads are wider than upstream's defaults (each says why).
-- Special token ids are small (0 pad, 1 bos, 2 eos, as most checkpoints), so that inputs can avoid them.
+- Special token ids are small (0 pad, 1 bos, 2 eos, as most checkpoints), so that inputs can avoid them; Marian's pad
+  token is the last id, as in opus-mt checkpoints (CTranslate2's converter relies on it).
 """
 
 from __future__ import annotations
@@ -255,9 +257,18 @@ def _bart_family_tiny(config_class: type, **kwargs) -> PreTrainedConfig:
 
 
 def _marian_tiny() -> MarianConfig:
-    # Marian starts decoding from the pad token and scales its embeddings, as opus-mt checkpoints do. At BART's init
-    # spread (0.2) every row decodes the same token over and over whatever its input; 0.5 gives rows of their own.
-    return _bart_family_tiny(MarianConfig, decoder_start_token_id=0, scale_embedding=True, init_std=0.5)
+    # As opus-mt checkpoints: the pad token is the last id and starts decoding (CTranslate2's converter drops that
+    # last id and starts from a zero embedding), and embeddings are scaled. At BART's init spread (0.2) every row
+    # decodes the same token over and over whatever its input; 0.5 gives rows of their own.
+    pad_token_id = TINY_VOCAB - 1
+    return _bart_family_tiny(
+        MarianConfig,
+        pad_token_id=pad_token_id,
+        decoder_start_token_id=pad_token_id,
+        forced_eos_token_id=None,
+        scale_embedding=True,
+        init_std=0.5,
+    )
 
 
 def _m2m_100_tiny() -> M2M100Config:
@@ -326,6 +337,52 @@ def _whisper_real() -> WhisperConfig:
     return WhisperConfig(tie_word_embeddings=False)
 
 
+def _marian_opus_mt() -> MarianConfig:
+    # opus-mt-en-de: 6 + 6 layers, d_model 512, 8 heads, ffn 2048, swish, scaled embeddings, vocab 58101 whose last id
+    # is the pad token that starts decoding, EOS 0. Untied: tied (opus-mt's 74M parameters), the random model decodes
+    # one token over and over; untied, transformers 5.24 also unties the encoder and decoder input embeddings (164M
+    # parameters), which are only gathered from, so a decoding step computes what opus-mt's does. No EOS forced at the
+    # last step.
+    return MarianConfig(
+        vocab_size=58101,
+        d_model=512,
+        encoder_layers=6,
+        decoder_layers=6,
+        encoder_attention_heads=8,
+        decoder_attention_heads=8,
+        encoder_ffn_dim=2048,
+        decoder_ffn_dim=2048,
+        max_position_embeddings=512,
+        activation_function="swish",
+        scale_embedding=True,
+        pad_token_id=58100,
+        decoder_start_token_id=58100,
+        eos_token_id=0,
+        forced_eos_token_id=None,
+        tie_word_embeddings=False,
+    )
+
+
+def _qwen2_100m() -> Qwen2Config:
+    # The ~100M Llama's shape (see `_llama_100m`) as a Qwen2: 8 layers, hidden 768, 12 heads with 4 kv heads (with
+    # Qwen2's q/k/v biases), MLP 2048, vocab 32000, untied embeddings, full attention in every layer (as Qwen2.5
+    # checkpoints: `use_sliding_window=False`).
+    return Qwen2Config(
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=8,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        initializer_range=0.05,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
 def _llama_100m() -> LlamaConfig:
     # 8 layers, hidden 768, 12 heads with 4 kv heads, MLP 2048, vocab 32000, untied embeddings: 99.5M parameters.
     # The init spread is 0.05: at upstream's 0.02 the random model repeats one token; larger spreads saturate
@@ -363,7 +420,14 @@ TINY_CONFIGS = {
     "gpt2": _gpt2_tiny,
     "gemma3_text": _gemma3_text_tiny,
 }
-REAL_CONFIGS = {"t5": _t5_small, "bart": _bart_base, "whisper": _whisper_real, "llama": _llama_100m}
+REAL_CONFIGS = {
+    "t5": _t5_small,
+    "bart": _bart_base,
+    "marian": _marian_opus_mt,
+    "whisper": _whisper_real,
+    "llama": _llama_100m,
+    "qwen2": _qwen2_100m,
+}
 
 
 def tiny_config(model_type: str) -> PreTrainedConfig:
@@ -372,7 +436,8 @@ def tiny_config(model_type: str) -> PreTrainedConfig:
 
 
 def real_config(model_type: str) -> PreTrainedConfig:
-    """A new real-sized config of `model_type` (t5-small, bart-base, whisper-tiny, ~100M Llama)."""
+    """A new real-sized config of `model_type` (t5-small, bart-base, opus-mt-en-de, whisper-tiny, ~100M Llama and
+    Qwen2)."""
     return _lookup(REAL_CONFIGS, model_type, "real-sized")()
 
 

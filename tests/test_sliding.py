@@ -9,9 +9,12 @@ through the generic route's `convert`.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
-from transformers import DynamicCache, Gemma2Config, Gemma2ForCausalLM, StaticCache
+from torch._dynamo.testing import CompileCounter
+from transformers import DynamicCache, Gemma2Config, Gemma2ForCausalLM, Qwen2Config, StaticCache
 
 from tests.helpers import assert_same_generation, generate_both
 from tests.model_cases import MISTRAL, QWEN2
@@ -145,3 +148,26 @@ def test_gemma2_converted_through_the_generic_route_matches_dynamic_cache_past_t
         )
         assert_same_generation(expected, actual)
     assert flex.flexible_cache.num_allocations == 1
+
+
+def test_a_window_longer_than_the_cache_keeps_one_prefill_graph_when_sdpa_could_drop_the_mask():
+    # With max_cache_len < sliding_window a sliding mask spans no more than the cache, and for an unpadded prompt SDPA
+    # would drop it (is_causal); the padded policy builds it anyway, so prefills without and with padding share a graph.
+    case = dataclasses.replace(
+        QWEN2,
+        build_config=lambda: zoo._decoder_only_tiny(
+            Qwen2Config, use_sliding_window=True, sliding_window=64, max_window_layers=1
+        ),
+    )
+    upstream, flex = case.build("sdpa")
+    counter = CompileCounter()
+    flex.forward = torch.compile(flex.forward, backend=counter, fullgraph=True)
+    cache_config = {"max_batch_size": 2, "max_cache_len": 16, "max_prompt_len": 8, "shape_policy": "padded"}
+    generator = torch.Generator().manual_seed(2)
+    for batch_size, prompt_len in [(1, 8), (1, 5), (2, 8)]:  # the first prompt fills max_prompt_len: no padding
+        inputs = case.make_inputs(batch_size, prompt_len, generator)
+        expected, actual = generate_both(
+            upstream, flex, inputs, cache_config=cache_config, max_new_tokens=3, do_sample=False
+        )
+        assert_same_generation(expected, actual)
+    assert counter.frame_count == 2  # the prefill and the decode step

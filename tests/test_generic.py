@@ -81,6 +81,12 @@ def test_a_generated_class_is_built_once_and_found_by_name_like_a_written_one():
     assert pickle.loads(pickle.dumps(flex_class)) is flex_class
 
 
+def test_a_class_with_a_written_override_gets_no_generated_one():
+    with pytest.raises(TypeError, match=r"LlamaForCausalLM has a written override, model_overrides.llama.Flex"):
+        generic.flex_class_for(LLAMA.upstream_class)
+    assert saved.override_class("FlexLlamaForCausalLM") is LLAMA.flex_class
+
+
 def test_a_type_outside_the_list_converts_generates_like_dynamic_cache_and_loads_by_name(tmp_path):
     upstream, flex = _olmo2_pair()
     assert convert(flex) is flex and type(flex).__name__ == "FlexOlmo2ForCausalLM"

@@ -206,11 +206,20 @@ def flex_class_for(upstream_class: type) -> type[GenericFlexModelMixin]:
     Built once per class, after its source was judged (`reasons_against`).
 
     Raises:
-        TypeError: the class's code reads cache internals (each read named, with what would be needed instead).
+        TypeError: the class has a written override in `model_overrides/` (one class per upstream class), or its code
+            reads cache internals (each read named, with what would be needed instead).
     """
+    from .registry import written_model_classes
+
     with _lock:
         if upstream_class in _built:
             return _built[upstream_class]
+        written = next((c for c in written_model_classes() if c.flex_upstream_class() is upstream_class), None)
+        if written is not None:
+            raise TypeError(
+                f"{upstream_class.__name__} has a written override, {written.__module__}.{written.__name__}; use it "
+                "(transformers_flexcache.convert(model) does)"
+            )
         reasons = reasons_against(upstream_class)
         if reasons:
             raise TypeError(refusal(upstream_class, reasons))

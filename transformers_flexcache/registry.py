@@ -56,11 +56,16 @@ _saved_upstream: dict[str, object] = {}
 def flex_model_classes() -> list[type[FlexModelMixin]]:
     """Every override model class: those of the modules in `model_overrides/`, then the generated ones of
     `GENERIC_MODEL_TYPES`."""
+    return written_model_classes() + generic_model_classes()
+
+
+def written_model_classes() -> list[type[FlexModelMixin]]:
+    """The override model classes of the modules in `model_overrides/` (one module per `SUPPORTED_MODEL_TYPES`)."""
     classes = []
     for model_type in SUPPORTED_MODEL_TYPES:
         module = importlib.import_module(f"model_overrides.{model_type}")
         classes.extend(module.FLEX_MODEL_CLASSES)
-    return classes + generic_model_classes()
+    return classes
 
 
 def generic_model_classes() -> list[type[FlexModelMixin]]:

@@ -323,7 +323,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--models",
         default=",".join(DEFAULT_MODELS),
-        help=f"comma-separated models to run, of {','.join(BENCH_MODELS)} (default: all)",
+        help=f"comma-separated models to run, of {','.join(BENCH_MODELS)} (default: {','.join(DEFAULT_MODELS)})",
     )
     parser.add_argument("--model", metavar="PATH", help="a local checkpoint folder to run instead of built-in configs")
     parser.add_argument(

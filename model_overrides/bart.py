@@ -5,6 +5,10 @@ cache's per-layer `is_updated` flag and the `keys`/`values` attributes of the cr
 With a cache that is larger than the call, those tensors would be the whole storage. Here the cross-attention path
 asks the cache for exactly the rows and encoder positions that the current call wrote.
 
+The change lives in `FlexBartAttentionMixin`, so that the attention classes that upstream copies from `BartAttention`
+("Copied from transformers.models.bart.modeling_bart.BartAttention": Marian, M2M100, mBART, Pegasus, ...) take it
+without a copy of their own: `class FlexMarianAttention(FlexBartAttentionMixin, MarianAttention)`.
+
 What needs no change:
 - Self-attention only calls `update`, which returns views of the live batch and length.
 - Learned positions: `BartDecoder.forward` takes them from `cache.get_seq_length()`, which for our cache is the
@@ -30,7 +34,15 @@ from transformers_flexcache.cache import FlexibleEncoderDecoderCache
 from transformers_flexcache.modeling import FlexModelMixin
 
 
-class FlexBartAttention(BartAttention):
+class FlexBartAttentionMixin:
+    """The change of `FlexBartAttention`, for `BartAttention` and every attention class copied from it.
+
+    Put it before the upstream attention class. `_flex_eager_attention_forward` is the module-level
+    `eager_attention_forward` of the upstream class's file (each copies BERT's), which upstream falls back to.
+    """
+
+    _flex_eager_attention_forward = staticmethod(eager_attention_forward)
+
     def _flex_project_kv(self, key_value_states):
         # key_value_states: [B, L_enc, d_model] -> 2 x [B, H, L_enc, D], as upstream projects them
         kv_shape = (*key_value_states.shape[:-1], -1, self.head_dim)
@@ -55,7 +67,7 @@ class FlexBartAttention(BartAttention):
         key_states, value_states = cache.cross_attention_kv(self.layer_idx, key_value_states, self._flex_project_kv)
 
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
+            self.config._attn_implementation, self._flex_eager_attention_forward
         )
         attn_output, attn_weights = attention_interface(
             self,
@@ -69,6 +81,10 @@ class FlexBartAttention(BartAttention):
         )
         attn_output = self.out_proj(attn_output.reshape(*input_shape, -1).contiguous())
         return attn_output, attn_weights
+
+
+class FlexBartAttention(FlexBartAttentionMixin, BartAttention):
+    """`BartAttention` with cross-attention keys and values through the cache's accessors (`FlexBartAttentionMixin`)."""
 
 
 class FlexBartForConditionalGeneration(FlexModelMixin, BartForConditionalGeneration, GenerationMixin):

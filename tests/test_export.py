@@ -16,6 +16,7 @@ from tests.helpers import SCORE_ATOL
 from tests.model_cases import (
     BART,
     LLAMA,
+    MARIAN,
     T5,
     WHISPER,
     WHISPER_MAX_SOURCE_POSITIONS,
@@ -89,7 +90,14 @@ def _one_layer_bart_config():
     return config
 
 
+def _one_layer_marian_config():
+    config = MARIAN.build_config()
+    config.encoder_layers = config.decoder_layers = 1
+    return config
+
+
 BART_ONE_LAYER = dataclasses.replace(BART, build_config=_one_layer_bart_config)
+MARIAN_ONE_LAYER = dataclasses.replace(MARIAN, build_config=_one_layer_marian_config)
 # Export time grows with the number of layers: the second Whisper program pair (features entry) uses one layer.
 WHISPER_ONE_LAYER = dataclasses.replace(WHISPER, build_config=_one_layer_whisper_config)
 
@@ -103,6 +111,12 @@ def bart():
 @pytest.fixture(scope="module")
 def bart_one_layer():
     upstream, flex = BART_ONE_LAYER.build(seed=1)
+    return upstream, export_encoder_decoder(flex, **CAPACITY)
+
+
+@pytest.fixture(scope="module")
+def marian_one_layer():
+    upstream, flex = MARIAN_ONE_LAYER.build(seed=1)
     return upstream, export_encoder_decoder(flex, **CAPACITY)
 
 
@@ -205,6 +219,8 @@ def _assert_seq2seq_matches_eager(
     [
         pytest.param("t5", T5_VARIED, SHAPES, id="t5"),
         pytest.param("bart", BART, SHAPES, id="bart"),
+        # One layer each side: export time grows with the layers, and BART's case already covers two.
+        pytest.param("marian_one_layer", MARIAN_ONE_LAYER, SHAPES, id="marian"),
         pytest.param("whisper_encoder_states", WHISPER, SHAPES, id="whisper-encoder_hidden_states"),
         pytest.param("whisper_features", WHISPER_ONE_LAYER, WHISPER_FEATURE_SHAPES, id="whisper-input_features"),
     ],
@@ -301,6 +317,7 @@ def test_exported_llama_matches_eager_generate_for_every_shape_with_one_program(
         pytest.param("t5_one_layer", T5_ONE_LAYER, SHAPES, "xnnpack", marks=pytest.mark.slow, id="t5-xnnpack"),
         # Export and lowering cost about 40 s per one-layer model (measured): one model runs by default.
         pytest.param("bart_one_layer", BART_ONE_LAYER, SHAPES, None, marks=pytest.mark.slow, id="bart-portable"),
+        pytest.param("marian_one_layer", MARIAN_ONE_LAYER, SHAPES, None, marks=pytest.mark.slow, id="marian-portable"),
         pytest.param(
             "whisper_features",
             WHISPER_ONE_LAYER,

@@ -13,13 +13,17 @@ import torch
 from transformers import (
     BartForConditionalGeneration,
     GenerationConfig,
-    GPT2Config,
-    GPT2LMHeadModel,
     JambaForCausalLM,
     LlamaForCausalLM,
+    M2M100ForConditionalGeneration,
+    MarianMTModel,
+    MBartForConditionalGeneration,
+    PegasusForConditionalGeneration,
     Pix2StructForConditionalGeneration,
     T5ForConditionalGeneration,
     WhisperForConditionalGeneration,
+    XGLMConfig,
+    XGLMForCausalLM,
 )
 from transformers.generation import configuration_utils as generation_configuration
 from transformers.generation.utils import GenerationMixin
@@ -73,6 +77,10 @@ def unregistered():
         (BartForConditionalGeneration, "AutoModelForSeq2SeqLM"),
         (WhisperForConditionalGeneration, "AutoModelForSpeechSeq2Seq"),
         (Pix2StructForConditionalGeneration, "AutoModelForImageTextToText"),
+        (MarianMTModel, "AutoModelForSeq2SeqLM"),
+        (M2M100ForConditionalGeneration, "AutoModelForSeq2SeqLM"),
+        (MBartForConditionalGeneration, "AutoModelForSeq2SeqLM"),
+        (PegasusForConditionalGeneration, "AutoModelForSeq2SeqLM"),
     ],
     ids=lambda value: getattr(value, "__name__", value),
 )
@@ -226,7 +234,10 @@ def test_convert_leaves_an_override_model_as_it_is(flex_class):
 
 
 def test_convert_refuses_an_unsupported_model_with_a_type_error_naming_the_supported_classes():
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=2))
-    with pytest.raises(TypeError, match=r"GPT2LMHeadModel has no flexcache override; supported classes are \[.*'"):
+    # XGLM's attention reads the cache's `is_updated` and `.layers[i].keys` (upstream's cross-attention pattern).
+    model = XGLMForCausalLM(
+        XGLMConfig(vocab_size=16, max_position_embeddings=8, d_model=8, num_layers=1, attention_heads=2)
+    )
+    with pytest.raises(TypeError, match=r"XGLMForCausalLM has no flexcache override; supported classes are \[.*'"):
         convert(model)
-    assert type(model) is GPT2LMHeadModel
+    assert type(model) is XGLMForCausalLM

@@ -66,7 +66,7 @@ for name, job in jobs.items():
         registered = [
             str(config_class) for value in vars(modeling_auto).values() if isinstance(value, _LazyAutoMapping)
             for config_class, model_class in value._extra_content.items()
-            if model_class.__module__.startswith("model_overrides")
+            if model_class.__module__.startswith(("model_overrides", "transformers_flexcache"))
         ]
         model.save_pretrained(job["resave_dir"])
         report[name] = {"loaded": loaded, "registered": registered}

@@ -369,9 +369,9 @@ class FixedShapeMasksMixin:
         `GenerationMixin.prepare_inputs_for_generation` calls for compileable caches.
 
         Differences from upstream's (the model's own, else `masking_utils.create_masks_for_generate`): with a padded
-        flexible cache, a full-attention mask that SDPA would drop in favour of `is_causal` (a prompt without padding)
-        is built anyway. Otherwise whether a prefill gets a mask would depend on the values of the call's attention
-        mask, and a compiled prefill would compile once with a mask and once without.
+        flexible cache, a full-attention or sliding-window mask that SDPA would drop in favour of `is_causal` (a
+        prompt without padding) is built anyway. Otherwise whether a prefill gets a mask would depend on the values of
+        the call's attention mask, and a compiled prefill would compile once with a mask and once without.
         """
         upstream = getattr(super(), "create_masks_for_generate", masking_utils.create_masks_for_generate)
         masks = upstream(**mask_kwargs)
@@ -381,9 +381,18 @@ class FixedShapeMasksMixin:
         full_kwargs = {
             key: mask_kwargs.get(key) for key in ("inputs_embeds", "attention_mask", "cache", "position_ids")
         }
-        full_kwargs["config"] = mask_kwargs["config"].get_text_config()
+        config = full_kwargs["config"] = mask_kwargs["config"].get_text_config()
+        builders = {
+            "full_attention": masking_utils.create_causal_mask,
+            "sliding_attention": masking_utils.create_sliding_window_causal_mask,
+        }
         if masks is None:
-            return masking_utils.create_causal_mask(**full_kwargs, allow_is_causal_skip=False)
-        if isinstance(masks, dict) and "full_attention" in masks and masks["full_attention"] is None:
-            masks["full_attention"] = masking_utils.create_causal_mask(**full_kwargs, allow_is_causal_skip=False)
+            # Without `layer_types`, upstream builds one mask: a sliding-window one when the config has a window.
+            all_sliding = not hasattr(config, "layer_types") and getattr(config, "sliding_window", None) is not None
+            builder = builders["sliding_attention" if all_sliding else "full_attention"]
+            return builder(**full_kwargs, allow_is_causal_skip=False)
+        if isinstance(masks, dict):
+            for layer_type, builder in builders.items():
+                if layer_type in masks and masks[layer_type] is None:
+                    masks[layer_type] = builder(**full_kwargs, allow_is_causal_skip=False)
         return masks

@@ -10,21 +10,41 @@ Design decisions:
   else ever patches upstream: our model classes accept the name on their own (see `generation.py`), so neither their
   construction nor their `generate` touches upstream.
 - `convert(model)` turns a loaded upstream model into its override in place (class swaps, no weight copies).
+- Two kinds of override: a module of `model_overrides/` per type in `SUPPORTED_MODEL_TYPES`, written by hand, and the
+  generated classes of `generic.py` for decoder-only models that need no module change (judged from their source).
+  `register()` maps the hand-written ones and those of `GENERIC_MODEL_TYPES` (the types the tests cover); `convert`
+  also takes any other model that the generic route accepts, and says why when it does not.
 """
 
 from __future__ import annotations
 
 import importlib
 
+import transformers
 from transformers.generation import configuration_utils as generation_configuration
 from transformers.generation.utils import GenerationMixin
+from transformers.models.auto import modeling_auto
 
 from .auto_classes import auto_mappings, maps_to
 from .modeling import FlexModelMixin, swap_module_classes
 from .request import FLEXIBLE_STATIC
 
 # model_type -> module under model_overrides/ that defines its override classes (`FLEX_MODEL_CLASSES`).
-SUPPORTED_MODEL_TYPES = ("llama", "t5", "bart", "whisper", "jamba", "pix2struct")
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "t5",
+    "bart",
+    "whisper",
+    "jamba",
+    "pix2struct",
+    "marian",
+    "m2m_100",
+    "mbart",
+    "pegasus",
+)
+# Decoder-only model types whose `AutoModelForCausalLM` class needs no module change: `generic.py` builds their
+# override classes (after reading their source), and `register()` maps them like the hand-written ones.
+GENERIC_MODEL_TYPES = ("qwen2", "qwen3", "mistral", "phi3", "gpt2", "gemma3_text")
 
 _MISSING = object()
 # What register() replaced, to restore it exactly: (mapping id, config class) -> the previous entry, and the
@@ -34,7 +54,13 @@ _saved_upstream: dict[str, object] = {}
 
 
 def flex_model_classes() -> list[type[FlexModelMixin]]:
-    """Every override model class, from the modules in `model_overrides/`."""
+    """Every override model class: those of the modules in `model_overrides/`, then the generated ones of
+    `GENERIC_MODEL_TYPES`."""
+    return written_model_classes() + generic_model_classes()
+
+
+def written_model_classes() -> list[type[FlexModelMixin]]:
+    """The override model classes of the modules in `model_overrides/` (one module per `SUPPORTED_MODEL_TYPES`)."""
     classes = []
     for model_type in SUPPORTED_MODEL_TYPES:
         module = importlib.import_module(f"model_overrides.{model_type}")
@@ -42,16 +68,38 @@ def flex_model_classes() -> list[type[FlexModelMixin]]:
     return classes
 
 
+def generic_model_classes() -> list[type[FlexModelMixin]]:
+    """The generated override classes of `GENERIC_MODEL_TYPES`, one per type (its `AutoModelForCausalLM` class)."""
+    from .generic import flex_class_for
+
+    names = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return [flex_class_for(getattr(transformers, names[model_type])) for model_type in GENERIC_MODEL_TYPES]
+
+
+def _generic_refusal(upstream_class: type, config) -> str | None:
+    """Why the generic route cannot serve `upstream_class` with `config`, as an error text; None when it can."""
+    from .generic import config_reasons_against, reasons_against, refusal
+
+    reasons = config_reasons_against(upstream_class, config)
+    if not getattr(config, "is_encoder_decoder", False):
+        reasons = reasons_against(upstream_class) + reasons
+    return refusal(upstream_class, reasons) if reasons else None
+
+
 def _refusing(previous):
     def _prepare_cache_for_generation(self, generation_config, *args, **kwargs):
         # Installed on GenerationMixin by register(): an upstream model asked for our name would otherwise fall
         # through to a DynamicCache and silently ignore the request. Our models override this method.
         if generation_config.cache_implementation == FLEXIBLE_STATIC:
-            raise ValueError(
+            message = (
                 f"{type(self).__name__} does not support cache_implementation={FLEXIBLE_STATIC!r}: it is upstream's "
                 "class. Load it after transformers_flexcache.register() (AutoModel classes then return the "
                 "override), or convert it in place with transformers_flexcache.convert(model)"
             )
+            if type(self) not in {flex_class.flex_upstream_class() for flex_class in flex_model_classes()}:
+                why = _generic_refusal(type(self), self.config)
+                message += f". It has no written override, and convert(model) would refuse it: {why}" if why else ""
+            raise ValueError(message)
         return previous(self, generation_config, *args, **kwargs)
 
     _prepare_cache_for_generation._flexcache_refuses = True
@@ -123,16 +171,31 @@ def is_registered() -> bool:
 def convert(model):
     """Turn a loaded upstream model into its override, in place (no weight copies), and return it.
 
+    A class without a written override is converted through the generic route (`generic.py`) when its source and its
+    config allow it: a decoder-only model whose code reaches the cache only through public methods.
+
     Raises:
-        TypeError: the model's class has no override; the message lists those that do.
+        TypeError: the model's class has no written override and the generic route refuses it (its source, or this
+            model's config); the message says why (which function reads which cache internal, which layer type the
+            cache does not hold) and lists the classes that have an override.
     """
     if isinstance(model, FlexModelMixin):
         return model
+    from .generic import GenericFlexModelMixin, flex_class_for
+
     by_upstream = {flex_class.flex_upstream_class(): flex_class for flex_class in flex_model_classes()}
     flex_class = by_upstream.get(type(model))
-    if flex_class is None:
-        supported = sorted(upstream.__name__ for upstream in by_upstream)
-        raise TypeError(f"{type(model).__name__} has no flexcache override; supported classes are {supported}")
+    if flex_class is None or issubclass(flex_class, GenericFlexModelMixin):
+        why = _generic_refusal(type(model), model.config)
+        if why is not None and flex_class is not None:
+            raise TypeError(f"{type(model).__name__} with this config cannot be converted: {why}")
+        if why is not None:
+            supported = sorted(upstream.__name__ for upstream in by_upstream)
+            raise TypeError(
+                f"{type(model).__name__} has no flexcache override; supported classes are {supported}, and the "
+                f"generic route for decoder-only models refuses it: {why}"
+            )
+        flex_class = flex_class or flex_class_for(type(model))
     model.__class__ = flex_class
     swap_module_classes(model, flex_class._flex_module_classes)
     return model

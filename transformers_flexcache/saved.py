@@ -28,6 +28,12 @@ def override_class(name: str, *, format_version: int = FORMAT_VERSION) -> type:
         )
     by_name = {flex_class.__name__: flex_class for flex_class in flex_model_classes()}
     if name not in by_name:
+        # A class of the generic route (generic.py) for an upstream class that no listed type names.
+        from .generic import flex_class_for, upstream_class_named
+
+        upstream_class = upstream_class_named(name)
+        if upstream_class is not None:
+            return flex_class_for(upstream_class)
         raise ValueError(
             f"transformers-flexcache {__version__} has no override class {name!r} (it has {sorted(by_name)}); the "
             "folder was saved by another version: upgrade transformers-flexcache"

@@ -262,6 +262,21 @@ UPSTREAM: dict[str, Upstream] = {
         "c50c793d077274b7",
         "compare the cross-attention branch (projection, `is_updated`, `.layers[i].keys`) and the attention call",
     ),
+    # The translation family: upstream's copies of BartAttention.forward (the same fingerprint), whose change our
+    # FlexBartAttentionMixin makes once.
+    **{
+        f"transformers.models.{module}.{name}.forward": Upstream(
+            "c50c793d077274b7",
+            "it is a copy of BartAttention.forward upstream, and FlexBartAttentionMixin replaces its cross-attention "
+            "branch: if it no longer equals BartAttention.forward, give this model an override of its own",
+        )
+        for module, name in (
+            ("marian.modeling_marian", "MarianAttention"),
+            ("m2m_100.modeling_m2m_100", "M2M100Attention"),
+            ("mbart.modeling_mbart", "MBartAttention"),
+            ("pegasus.modeling_pegasus", "PegasusAttention"),
+        )
+    },
     f"{_P2S}.Pix2StructTextAttention.forward": Upstream(
         "8b4bc316ec9a5d4c",
         "compare the cross-attention branch, the zero position bias added to it and the mask slicing",

@@ -1,24 +1,37 @@
 """Seeded random models from upstream config classes, for tests and the benchmark: no downloads.
 
 Two sizes per model type:
-- `tiny_config(model_type)`: 2 layers, hidden 32, vocab 99: the test models (and `bench --quick`).
-- `real_config(model_type)`: t5-small, bart-base, whisper-tiny and a ~100M-parameter Llama: the benchmark's.
+- `tiny_config(model_type)`: 2 layers, hidden 32, vocab 99: the test models (and `bench --quick`). Sliding-window
+  models get a window of `TINY_SLIDING_WINDOW` positions, shorter than the tests' prompts.
+- `real_config(model_type)`: t5-small, bart-base, whisper-tiny, opus-mt-en-de-sized Marian, a ~100M-parameter Llama
+  and a ~100M-parameter Qwen2: the benchmark's.
 
 Design decisions:
 - Random models must give outputs that vary, or token equality proves nothing. So output embeddings are untied from
   the input ones (tied, the tiny models echo the token they just read), in one way for every T5 (`untie_t5`), and
   some init spreads are wider than upstream's defaults (each says why).
-- Special token ids are small (0 pad, 1 bos, 2 eos, as most checkpoints), so that inputs can avoid them.
+- Special token ids are small (0 pad, 1 bos, 2 eos, as most checkpoints), so that inputs can avoid them; Marian's pad
+  token is the last id, as in opus-mt checkpoints (CTranslate2's converter relies on it).
 """
 
 from __future__ import annotations
 
 from transformers import (
     BartConfig,
+    Gemma3TextConfig,
+    GPT2Config,
     JambaConfig,
     LlamaConfig,
+    M2M100Config,
+    MarianConfig,
+    MBartConfig,
+    MistralConfig,
+    PegasusConfig,
+    Phi3Config,
     Pix2StructConfig,
     PreTrainedConfig,
+    Qwen2Config,
+    Qwen3Config,
     T5Config,
     WhisperConfig,
 )
@@ -56,6 +69,74 @@ def _llama_tiny() -> LlamaConfig:
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
+    )
+
+
+# Sliding window of the tiny sliding-window models: shorter than the prompts and generations of the tests, so that
+# every call attends past it and drops positions.
+TINY_SLIDING_WINDOW = 4
+
+
+def _decoder_only_tiny(config_class: type, **kwargs) -> PreTrainedConfig:
+    # Llama's tiny shape (see `_llama_tiny`) for the decoder-only models that need no module change.
+    defaults = {
+        "vocab_size": TINY_VOCAB,
+        "hidden_size": 32,
+        "intermediate_size": 37,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 128,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "tie_word_embeddings": False,
+    }
+    return config_class(**{**defaults, **kwargs})
+
+
+def _qwen2_tiny() -> Qwen2Config:
+    # Hybrid, as Qwen2 checkpoints with `use_sliding_window`: layer 0 full attention, layer 1 a sliding window.
+    return _decoder_only_tiny(
+        Qwen2Config, use_sliding_window=True, sliding_window=TINY_SLIDING_WINDOW, max_window_layers=1
+    )
+
+
+def _qwen3_tiny() -> Qwen3Config:
+    return _decoder_only_tiny(Qwen3Config, head_dim=8)
+
+
+def _mistral_tiny() -> MistralConfig:
+    # Every layer a sliding window, as Mistral-7B v0.1.
+    return _decoder_only_tiny(MistralConfig, sliding_window=TINY_SLIDING_WINDOW)
+
+
+def _phi3_tiny() -> Phi3Config:
+    return _decoder_only_tiny(Phi3Config)
+
+
+def _gemma3_text_tiny() -> Gemma3TextConfig:
+    # Hybrid as Gemma 3 (5 sliding layers per full one there): layer 0 a sliding window, layer 1 full attention.
+    return _decoder_only_tiny(
+        Gemma3TextConfig,
+        head_dim=8,
+        sliding_window=TINY_SLIDING_WINDOW,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+
+
+def _gpt2_tiny() -> GPT2Config:
+    return GPT2Config(
+        vocab_size=TINY_VOCAB,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_inner=37,
+        n_positions=128,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
     )
 
 
@@ -150,6 +231,59 @@ def _bart_tiny() -> BartConfig:
     )
 
 
+def _bart_family_tiny(config_class: type, **kwargs) -> PreTrainedConfig:
+    # BART's tiny shape and init (see `_bart_tiny`) for the models whose attention upstream copies from BART's.
+    # The decoder starts from EOS unless the model type's own convention is kept in `kwargs` (Marian and Pegasus
+    # start from the pad token).
+    defaults = {
+        "vocab_size": TINY_VOCAB,
+        "d_model": 32,
+        "encoder_layers": 2,
+        "decoder_layers": 2,
+        "encoder_attention_heads": 4,
+        "decoder_attention_heads": 4,
+        "encoder_ffn_dim": 37,
+        "decoder_ffn_dim": 37,
+        "max_position_embeddings": 64,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "decoder_start_token_id": 2,
+        "forced_eos_token_id": 2,
+        "tie_word_embeddings": False,
+        "init_std": 0.2,
+    }
+    return config_class(**{**defaults, **kwargs})
+
+
+def _marian_tiny() -> MarianConfig:
+    # As opus-mt checkpoints: the pad token is the last id and starts decoding (CTranslate2's converter drops that
+    # last id and starts from a zero embedding), and embeddings are scaled. At BART's init spread (0.2) every row
+    # decodes the same token over and over whatever its input; 0.5 gives rows of their own.
+    pad_token_id = TINY_VOCAB - 1
+    return _bart_family_tiny(
+        MarianConfig,
+        pad_token_id=pad_token_id,
+        decoder_start_token_id=pad_token_id,
+        forced_eos_token_id=None,
+        scale_embedding=True,
+        init_std=0.5,
+    )
+
+
+def _m2m_100_tiny() -> M2M100Config:
+    return _bart_family_tiny(M2M100Config)
+
+
+def _mbart_tiny() -> MBartConfig:
+    return _bart_family_tiny(MBartConfig)
+
+
+def _pegasus_tiny() -> PegasusConfig:
+    # Pegasus starts decoding from the pad token and scales its embeddings, as its checkpoints do.
+    return _bart_family_tiny(PegasusConfig, decoder_start_token_id=0, scale_embedding=True)
+
+
 def _pix2struct_tiny() -> Pix2StructConfig:
     text_config = {
         "vocab_size": TINY_VOCAB,
@@ -203,6 +337,52 @@ def _whisper_real() -> WhisperConfig:
     return WhisperConfig(tie_word_embeddings=False)
 
 
+def _marian_opus_mt() -> MarianConfig:
+    # opus-mt-en-de: 6 + 6 layers, d_model 512, 8 heads, ffn 2048, swish, scaled embeddings, vocab 58101 whose last id
+    # is the pad token that starts decoding, EOS 0. Untied: tied (opus-mt's 74M parameters), the random model decodes
+    # one token over and over; untied, transformers 5.24 also unties the encoder and decoder input embeddings (164M
+    # parameters), which are only gathered from, so a decoding step computes what opus-mt's does. No EOS forced at the
+    # last step.
+    return MarianConfig(
+        vocab_size=58101,
+        d_model=512,
+        encoder_layers=6,
+        decoder_layers=6,
+        encoder_attention_heads=8,
+        decoder_attention_heads=8,
+        encoder_ffn_dim=2048,
+        decoder_ffn_dim=2048,
+        max_position_embeddings=512,
+        activation_function="swish",
+        scale_embedding=True,
+        pad_token_id=58100,
+        decoder_start_token_id=58100,
+        eos_token_id=0,
+        forced_eos_token_id=None,
+        tie_word_embeddings=False,
+    )
+
+
+def _qwen2_100m() -> Qwen2Config:
+    # The ~100M Llama's shape (see `_llama_100m`) as a Qwen2: 8 layers, hidden 768, 12 heads with 4 kv heads (with
+    # Qwen2's q/k/v biases), MLP 2048, vocab 32000, untied embeddings, full attention in every layer (as Qwen2.5
+    # checkpoints: `use_sliding_window=False`).
+    return Qwen2Config(
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=8,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        initializer_range=0.05,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
 def _llama_100m() -> LlamaConfig:
     # 8 layers, hidden 768, 12 heads with 4 kv heads, MLP 2048, vocab 32000, untied embeddings: 99.5M parameters.
     # The init spread is 0.05: at upstream's 0.02 the random model repeats one token; larger spreads saturate
@@ -229,8 +409,25 @@ TINY_CONFIGS = {
     "whisper": _whisper_tiny,
     "jamba": _jamba_tiny,
     "pix2struct": _pix2struct_tiny,
+    "marian": _marian_tiny,
+    "m2m_100": _m2m_100_tiny,
+    "mbart": _mbart_tiny,
+    "pegasus": _pegasus_tiny,
+    "qwen2": _qwen2_tiny,
+    "qwen3": _qwen3_tiny,
+    "mistral": _mistral_tiny,
+    "phi3": _phi3_tiny,
+    "gpt2": _gpt2_tiny,
+    "gemma3_text": _gemma3_text_tiny,
 }
-REAL_CONFIGS = {"t5": _t5_small, "bart": _bart_base, "whisper": _whisper_real, "llama": _llama_100m}
+REAL_CONFIGS = {
+    "t5": _t5_small,
+    "bart": _bart_base,
+    "marian": _marian_opus_mt,
+    "whisper": _whisper_real,
+    "llama": _llama_100m,
+    "qwen2": _qwen2_100m,
+}
 
 
 def tiny_config(model_type: str) -> PreTrainedConfig:
@@ -239,7 +436,8 @@ def tiny_config(model_type: str) -> PreTrainedConfig:
 
 
 def real_config(model_type: str) -> PreTrainedConfig:
-    """A new real-sized config of `model_type` (t5-small, bart-base, whisper-tiny, ~100M Llama)."""
+    """A new real-sized config of `model_type` (t5-small, bart-base, opus-mt-en-de, whisper-tiny, ~100M Llama and
+    Qwen2)."""
     return _lookup(REAL_CONFIGS, model_type, "real-sized")()
 
 

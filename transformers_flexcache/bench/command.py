@@ -226,7 +226,7 @@ class ModelResult:
 
 
 def run_model(model: BenchModel, args, strategies: list[Strategy], log) -> ModelResult:
-    """Run the stream on `model` under every strategy (and CTranslate2 for T5 when installed)."""
+    """Run the stream on `model` under every strategy (and CTranslate2 for T5 and Marian when installed)."""
     description = args.model or (f"tiny {model.name} (--quick)" if args.quick else model.description)
     result = ModelResult(model.name, description)
     needs_override = any(strategy.flexible for strategy in strategies)
@@ -260,7 +260,7 @@ def run_model(model: BenchModel, args, strategies: list[Strategy], log) -> Model
         TorchRunner(strategy, copy.copy(flex) if strategy.flexible else upstream, result.capacities)
         for strategy in strategies
     ]
-    if model.name == "t5" and not args.no_ctranslate2:
+    if model.ctranslate2_peer and not args.no_ctranslate2:
         peer, note = _ctranslate2_runner(upstream, args.threads)
         if note:
             result.notes.append(note)
@@ -323,7 +323,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--models",
         default=",".join(DEFAULT_MODELS),
-        help=f"comma-separated models to run, of {','.join(BENCH_MODELS)} (default: all)",
+        help=f"comma-separated models to run, of {','.join(BENCH_MODELS)} (default: {','.join(DEFAULT_MODELS)})",
     )
     parser.add_argument("--model", metavar="PATH", help="a local checkpoint folder to run instead of built-in configs")
     parser.add_argument(
@@ -350,7 +350,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights, the stream and the inputs")
     parser.add_argument("--quick", action="store_true", help="tiny configs and a short stream: under a minute")
-    parser.add_argument("--no-ctranslate2", action="store_true", help="skip the CTranslate2 row for T5")
+    parser.add_argument("--no-ctranslate2", action="store_true", help="skip the CTranslate2 row for T5 and Marian")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--json", metavar="PATH", help="write every figure, per strategy and per call, as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of time and cache memory per call (matplotlib)")

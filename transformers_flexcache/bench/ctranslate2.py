@@ -1,11 +1,13 @@
-"""The CTranslate2 peer row of the benchmark: the same T5 model and stream through `ctranslate2.Translator`.
+"""The CTranslate2 peer row of the benchmark: the same T5 or Marian model and stream through `ctranslate2.Translator`.
 
 Design decisions:
 - The model is converted with CTranslate2's own `TransformersConverter` (fp32), handed the model in memory through
   its `load_model` hook: the weights converted are exactly those the torch strategies run, and nothing is saved or
   reloaded (a reload would also re-tie an untied T5 output layer, see `bench_models`). The converter still reads
   the config and a tokenizer from a folder: the config is saved there, with a word-level tokenizer whose token `i`
-  is id `i` (the converter only reads the vocabulary and special tokens from it). No download; any T5 converts.
+  is id `i` (the converter only reads the vocabulary and special tokens from it). No download; any T5 converts, and
+  any Marian whose pad token is its last id, as in opus-mt checkpoints (the converter drops that id and starts
+  decoding from a zero embedding, which is what the pad token's embedding is).
 - CTranslate2 takes token strings; ids are mapped through the converted model's own vocabulary file, both ways.
   Rows are passed unpadded (CTranslate2 batches variable lengths itself), which is what the attention mask tells
   transformers.
@@ -61,7 +63,7 @@ def write_identity_tokenizer(config, path: str) -> None:
 
 
 class CTranslate2Runner:
-    """Runs the T5 stream through a CTranslate2 translator converted from the same weights."""
+    """Runs the stream of a T5 or Marian model through a CTranslate2 translator converted from the same weights."""
 
     name = NAME
 

@@ -2,12 +2,13 @@
 
 Design decisions:
 - Each `BenchModel` names an upstream model class and two configs of `transformers_flexcache.zoo` (shared with the
-  tests): a real-sized one (t5-small, bart-base, whisper-tiny, a ~100M-parameter Llama) for the default run, and the
-  tiny one for `--quick`. Weights are random and seeded, so a benchmark needs no network and every run sees the same
-  model.
+  tests): a real-sized one (t5-small, bart-base, opus-mt-en-de, whisper-tiny, a ~100M-parameter Llama, and with
+  `--models qwen2` a ~100M-parameter Qwen2) for the default run, and the tiny one for `--quick`. Weights are random
+  and seeded, so a benchmark needs no network and every run sees the same model.
 - The zoo unties output embeddings (see its docstring): with tied embeddings these random models mostly repeat the
   token they just read, whatever the input, and equal tokens would prove little.
-- Inputs are random token ids that avoid special tokens (so no row starts or stops early), with rows of different
+- Inputs are random token ids that avoid special tokens (so no row starts or stops early; Marian's pad token is its
+  last id, the others are small), with rows of different
   lengths padded as tokenizers pad them: right for encoder-decoder models, left for decoder-only ones. Whisper
   takes random log-mel features; its encoder only accepts `2 * max_source_positions` frames, so its encoder length
   is fixed and only its batch varies.
@@ -24,7 +25,9 @@ from transformers import (
     AutoConfig,
     BartForConditionalGeneration,
     LlamaForCausalLM,
+    MarianMTModel,
     PreTrainedConfig,
+    Qwen2ForCausalLM,
     T5ForConditionalGeneration,
     WhisperForConditionalGeneration,
 )
@@ -44,6 +47,7 @@ class BenchModel:
         description: what the real-sized config stands for, for the report.
         input_kind: `"tokens"` (ids and mask) or `"features"` (Whisper's log-mel features).
         default_max_batch_size: the largest batch of the default stream when it differs from the others'.
+        ctranslate2_peer: whether the run adds a CTranslate2 row (models its converter takes: T5, Marian).
     """
 
     name: str
@@ -53,6 +57,7 @@ class BenchModel:
     description: str
     input_kind: str = "tokens"
     default_max_batch_size: int | None = None
+    ctranslate2_peer: bool = False
 
     def encoder_len(self, config: PreTrainedConfig, length: int) -> int:
         """Encoder positions that a call of input length `length` fills (fixed for Whisper)."""
@@ -78,10 +83,13 @@ def _special_ids(config: PreTrainedConfig) -> set[int]:
 
 def _token_inputs(config: PreTrainedConfig, batch_size: int, length: int, generator: torch.Generator) -> dict:
     # input_ids, attention_mask: [B, length]; row 0 is full length, the others between length/2 and length.
-    low = max(_special_ids(config) | {2}) + 1
-    if low >= config.vocab_size:
-        raise ValueError(f"vocab_size={config.vocab_size} leaves no ordinary token above the special ids < {low}")
-    input_ids = torch.randint(low, config.vocab_size, (batch_size, length), generator=generator)
+    # Ordinary tokens lie between the small special ids and the first special id above them (Marian's pad: the last).
+    special = _special_ids(config) | {2}
+    low = max(i for i in special if i < config.vocab_size // 2) + 1
+    high = min([i for i in special if i >= low] + [config.vocab_size])
+    if low >= high:
+        raise ValueError(f"vocab_size={config.vocab_size} leaves no ordinary token between the special ids {special}")
+    input_ids = torch.randint(low, high, (batch_size, length), generator=generator)
     row_lens = torch.randint((length + 1) // 2, length + 1, (batch_size,), generator=generator)
     row_lens[0] = length
     positions = torch.arange(length)
@@ -102,6 +110,7 @@ BENCH_MODELS = {
             zoo.REAL_CONFIGS["t5"],
             zoo.TINY_CONFIGS["t5"],
             "t5-small-sized T5 with untied embeddings",
+            ctranslate2_peer=True,
         ),
         BenchModel(
             "bart",
@@ -109,6 +118,14 @@ BENCH_MODELS = {
             zoo.REAL_CONFIGS["bart"],
             zoo.TINY_CONFIGS["bart"],
             "bart-base-sized BART with untied embeddings",
+        ),
+        BenchModel(
+            "marian",
+            MarianMTModel,
+            zoo.REAL_CONFIGS["marian"],
+            zoo.TINY_CONFIGS["marian"],
+            "opus-mt-en-de-sized Marian (translation) with untied embeddings",
+            ctranslate2_peer=True,
         ),
         BenchModel(
             "whisper",
@@ -124,9 +141,13 @@ BENCH_MODELS = {
         BenchModel(
             "llama", LlamaForCausalLM, zoo.REAL_CONFIGS["llama"], zoo.TINY_CONFIGS["llama"], "~100M-parameter Llama"
         ),
+        BenchModel(
+            "qwen2", Qwen2ForCausalLM, zoo.REAL_CONFIGS["qwen2"], zoo.TINY_CONFIGS["qwen2"], "~100M-parameter Qwen2"
+        ),
     ]
 }
-DEFAULT_MODELS = tuple(BENCH_MODELS)
+# The default run: the translation models (T5, BART, Marian), speech (Whisper) and a decoder-only model (Llama).
+DEFAULT_MODELS = ("t5", "bart", "marian", "whisper", "llama")
 
 
 def build_models(

@@ -4,6 +4,7 @@ Layout (one job per file):
 - `config.py`: `CacheConfig`, the settings of `cache_implementation="flexible_static"`, parsed and checked once; the
   overflow message.
 - `layers.py`: attention storage of one layer, exact and padded (`LayerSpec`: what a layer holds, and where).
+- `sliding.py`: sliding-window attention storage of one layer (the last positions of each row), exact and padded.
 - `linear_attention.py`: Mamba conv/recurrent storage of one layer, and its shapes.
 - `specs.py`: a decoder's layer specs from its config; `placement.py`: refined from the loaded model (devices,
   tensor-parallel heads, dtypes).
@@ -22,6 +23,7 @@ from .containers import (
 from .layers import FlexiblePaddedLayer, FlexibleStaticLayer, LayerSpec
 from .linear_attention import FlexibleLinearAttentionLayer, FlexiblePaddedLinearAttentionLayer
 from .placement import layer_specs_for_model
+from .sliding import FlexiblePaddedSlidingWindowLayer, FlexibleSlidingWindowLayer
 from .specs import layer_specs_from_config
 
 __all__ = [
@@ -31,6 +33,8 @@ __all__ = [
     "FlexibleLinearAttentionLayer",
     "FlexiblePaddedLayer",
     "FlexiblePaddedLinearAttentionLayer",
+    "FlexiblePaddedSlidingWindowLayer",
+    "FlexibleSlidingWindowLayer",
     "FlexibleStaticCache",
     "FlexibleStaticLayer",
     "LayerSpec",

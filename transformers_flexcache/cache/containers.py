@@ -43,6 +43,7 @@ from .config import (
 from .layers import ATTENTION_LAYER_CLASSES, FlexibleStaticLayer, LayerSpec
 from .linear_attention import LINEAR_ATTENTION_LAYER_CLASSES, FlexibleLinearAttentionLayer
 from .placement import layer_specs_for_model
+from .sliding import SLIDING_LAYER_CLASSES
 from .specs import layer_specs_from_config
 
 logger = get_logger(__name__)
@@ -79,7 +80,8 @@ class FlexibleStaticCache(Cache):
 
     Hybrid models (Jamba) also get their linear-attention (Mamba) conv and recurrent states, allocated once at
     `max_batch_size` rows and read and written through `get_conv_state`, `update_conv_state`, `get_recurrent_state`
-    and `update_recurrent_state`.
+    and `update_recurrent_state`. Sliding-window layers (Mistral, Gemma2/3, Qwen2 with `use_sliding_window`) hold
+    `min(sliding_window, max_cache_len)` positions per row (see `sliding.py`).
 
     Args:
         config (`PreTrainedConfig`, *optional*): the model's config; the decoder's layer types, kv heads and head dim
@@ -98,7 +100,7 @@ class FlexibleStaticCache(Cache):
 
     Raises:
         ValueError: a capacity is not a positive int, `on_overflow` or `shape_policy` is unknown, the model has layer
-            types other than full attention and linear attention, or no full-attention layer.
+            types other than full attention, sliding-window attention and linear attention, or no attention layer.
 
     Example:
 
@@ -163,6 +165,8 @@ class FlexibleStaticCache(Cache):
     def _layer_class(self, spec: LayerSpec) -> type:
         if spec.layer_type == "linear_attention":
             return LINEAR_ATTENTION_LAYER_CLASSES[self.shape_policy]
+        if spec.layer_type == "sliding_attention":
+            return SLIDING_LAYER_CLASSES[self.shape_policy]
         return ATTENTION_LAYER_CLASSES[self.shape_policy]
 
     @classmethod
@@ -283,9 +287,11 @@ class FlexibleStaticCache(Cache):
         length = max(self.max_cache_len, target.get(self.length_name, 0))
         if (batch, length) == (self.max_batch_size, self.max_cache_len):
             return
+        before = self.data_ptrs()
         for layer in self.layers:
             layer.grow(max_batch_size=batch, max_cache_len=length)
-        self.num_allocations += 1
+        if self.data_ptrs() != before:  # sliding-window layers past their window grow without reallocating
+            self.num_allocations += 1
 
     def grow(self, *, max_batch_size: int | None = None, max_cache_len: int | None = None) -> None:
         """Reallocate to at least these capacities, keeping live content. A no-op when the cache is big enough."""

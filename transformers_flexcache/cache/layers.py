@@ -27,9 +27,10 @@ from transformers.cache_utils import CacheLayerMixin
 class LayerSpec:
     """What one cache layer holds, and where: everything needed to allocate it, and to tell its size before.
 
-    Attention layers (`layer_type` "full_attention") use `num_heads`, `k_head_dim`, `v_head_dim`; linear-attention
-    (Mamba) layers use `conv_shape` `(C, K)` and `recurrent_shape` `(C, N)` per row, and hold the recurrent state in
-    `recurrent_dtype`. `device` is where the layer's attention runs; `dtype` that of its key/value projections.
+    Attention layers (`layer_type` "full_attention", or "sliding_attention" with its `sliding_window`) use
+    `num_heads`, `k_head_dim`, `v_head_dim`; linear-attention (Mamba) layers use `conv_shape` `(C, K)` and
+    `recurrent_shape` `(C, N)` per row, and hold the recurrent state in `recurrent_dtype`. `device` is where the
+    layer's attention runs; `dtype` that of its key/value projections.
     """
 
     layer_type: str
@@ -41,6 +42,7 @@ class LayerSpec:
     conv_shape: tuple[int, ...] = ()
     recurrent_shape: tuple[int, ...] = ()
     recurrent_dtype: torch.dtype | None = None
+    sliding_window: int | None = None  # "sliding_attention": a row holds min(sliding_window, max_cache_len) positions
 
     def nbytes(self, *, max_batch_size: int, max_cache_len: int) -> int:
         """Bytes that a layer of this spec allocates at these capacities."""
@@ -49,6 +51,8 @@ class LayerSpec:
             recurrent_item = torch.empty((), dtype=self.recurrent_dtype or self.dtype).element_size()
             conv = max_batch_size * _numel(self.conv_shape) * item
             return conv + max_batch_size * _numel(self.recurrent_shape) * recurrent_item
+        if self.sliding_window is not None:
+            max_cache_len = min(self.sliding_window, max_cache_len)
         return max_batch_size * self.num_heads * max_cache_len * (self.k_head_dim + self.v_head_dim) * item
 
 

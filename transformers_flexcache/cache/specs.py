@@ -11,8 +11,10 @@ from transformers.configuration_utils import PreTrainedConfig, get_head_shapes
 from .layers import LayerSpec
 from .linear_attention import linear_attention_shapes, recurrent_dtype
 
-# Layer types that FlexibleStaticCache holds: attention keys/values, or linear-attention (Mamba) conv/recurrent states.
-SUPPORTED_LAYER_TYPES = ("full_attention", "linear_attention")
+# Layer types that FlexibleStaticCache holds: attention keys/values (of every position, or of a sliding window), or
+# linear-attention (Mamba) conv/recurrent states.
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def layer_specs_from_config(
@@ -21,11 +23,11 @@ def layer_specs_from_config(
     """One `LayerSpec` per decoder layer of `config`, every layer on `device` in `dtype`.
 
     Raises:
-        ValueError: the decoder has layer types other than `SUPPORTED_LAYER_TYPES`, or no full-attention layer (upstream
+        ValueError: the decoder has layer types other than `SUPPORTED_LAYER_TYPES`, or no attention layer (upstream
             takes positions and masks from one), or linear-attention sizes the cache cannot read.
     """
     text_config = config.get_text_config(decoder=True)
-    layer_types, _ = get_layer_types_and_kwargs(text_config)
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
     num_heads, head_dim = get_head_shapes(text_config)
     num_layers = len(layer_types)
     num_heads = num_heads if isinstance(num_heads, list) else [num_heads] * num_layers
@@ -36,14 +38,14 @@ def layer_specs_from_config(
             f"layer types {unsupported} of {type(config).__name__} are not supported by FlexibleStaticCache, which "
             f"holds {list(SUPPORTED_LAYER_TYPES)} layers only"
         )
-    if "full_attention" not in layer_types:
+    if not set(ATTENTION_LAYER_TYPES) & set(layer_types):
         raise ValueError(
-            f"{type(config).__name__} has no full-attention layer (layer types {sorted(set(layer_types))}); "
-            "FlexibleStaticCache needs at least one"
+            f"{type(config).__name__} has no full-attention layer, nor a sliding-window one (layer types "
+            f"{sorted(set(layer_types))}); FlexibleStaticCache needs at least one attention layer"
         )
     device = torch.device(device)
     specs = []
-    for layer_type, heads, dim in zip(layer_types, num_heads, head_dim, strict=True):
+    for layer_type, kwargs, heads, dim in zip(layer_types, layer_kwargs, num_heads, head_dim, strict=True):
         if layer_type == "linear_attention":
             conv_shape, recurrent_shape = linear_attention_shapes(config)
             specs.append(
@@ -59,7 +61,13 @@ def layer_specs_from_config(
         else:
             specs.append(
                 LayerSpec(
-                    layer_type=layer_type, device=device, dtype=dtype, num_heads=heads, k_head_dim=dim, v_head_dim=dim
+                    layer_type=layer_type,
+                    device=device,
+                    dtype=dtype,
+                    num_heads=heads,
+                    k_head_dim=dim,
+                    v_head_dim=dim,
+                    sliding_window=kwargs.get("sliding_window") if layer_type == "sliding_attention" else None,
                 )
             )
     return specs

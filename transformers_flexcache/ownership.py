@@ -13,7 +13,8 @@ Design decisions:
   continuing from someone else's keys. Leases prefer storage whose cache was not returned to the caller, so a kept
   cache survives as long as the pool has other storage to give.
 - A cache passed back to `generate` (`past_key_values=...`, a continuation) is leased as it is, not renewed, and
-  reserved once for the whole call (see `FlexibleStaticCache.reserve`), so continuing never reallocates per token.
+  reserved once for the whole call, its length growing at least twofold when it must grow (see
+  `FlexibleStaticCache.reserve`), so continuing, turn by turn or token by token, never reallocates per turn.
 - `release(model)` frees every idle cache of the pool at once (and the leased ones when their calls end): upstream
   removed its own hidden cache reuse because "it will keep a big memory footprint without the user noticing"
   (transformers PR #47731). Ours is explicit, counted (`held_nbytes`) and releasable.
@@ -171,7 +172,7 @@ class CachePool:
             else:
                 self._given[id(cache)] = me
         try:
-            cache.reserve(need, config=config)
+            cache.reserve(need, config=config, geometric=True)
         except BaseException:
             Lease(pool=self, slot=slot, cache=cache, given_by_caller=True).give_back()
             raise

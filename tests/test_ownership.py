@@ -386,3 +386,121 @@ def test_release_during_a_call_frees_that_storage_when_the_call_ends():
     gate.open()
     assert_same_generation(upstream.generate(**inputs, **GREEDY, max_new_tokens=3), caller.outcome())
     assert transformers_flexcache.held_nbytes(flex) == {}
+
+
+# --- on_overflow="error": every need of a call is checked before its first decoder step ----------------------------
+ERROR_CONFIG = {"max_batch_size": 4, "max_cache_len": 16, "on_overflow": "error"}
+
+
+class _DecoderSteps:
+    """Counts forwards of `model`'s decoder: a call refused before it starts makes none."""
+
+    def __init__(self, model):
+        self.count = 0
+        model.get_decoder().register_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args):
+        self.count += 1
+
+
+# (what the call adds to batch 1 x prompt 6 under ERROR_CONFIG, the capacity it exceeds): each needs one more than it
+# may use. Llama: positions are prompt + new tokens - 1 (+ prompt-lookup candidates).
+REFUSED_CALLS = {
+    "beams": ({"batch_size": 3, "num_beams": 2, "max_new_tokens": 3}, r"batch_size=6 exceeds max_batch_size=4"),
+    "returned sequences": (
+        {"batch_size": 3, "do_sample": True, "num_return_sequences": 2, "max_new_tokens": 3},
+        r"batch_size=6 exceeds max_batch_size=4",
+    ),
+    "prompt-lookup candidates": (
+        {"batch_size": 1, "prompt_lookup_num_tokens": 4, "max_new_tokens": 8},
+        r"cache_len=17 exceeds max_cache_len=16",
+    ),
+    "assisted decoding": (
+        {"batch_size": 1, "assistant": True, "max_new_tokens": 12},
+        r"cache_len=17 exceeds max_cache_len=16",
+    ),
+    "length": ({"batch_size": 1, "max_new_tokens": 12}, r"cache_len=17 exceeds max_cache_len=16"),
+}
+
+
+def _call_kwargs(spec: dict, generator: torch.Generator) -> tuple[dict, dict]:
+    spec = dict(spec)
+    inputs = LLAMA.make_inputs(spec.pop("batch_size"), 6, generator)
+    if spec.pop("assistant", False):
+        spec["assistant_model"] = LLAMA.build()[1]
+    return inputs, spec
+
+
+@pytest.mark.parametrize("name", list(REFUSED_CALLS))
+def test_a_call_over_a_capacity_is_refused_before_its_first_decoder_step_and_the_next_call_is_correct(name):
+    upstream, flex = LLAMA.build()
+    generator = torch.Generator().manual_seed(14)
+    fits = LLAMA.make_inputs(2, 6, generator)
+    generate_both(upstream, flex, fits, cache_config=ERROR_CONFIG, max_new_tokens=3)
+    pointers, steps = flex.flexible_cache.data_ptrs(), _DecoderSteps(flex)
+
+    spec, message = REFUSED_CALLS[name]
+    inputs, kwargs = _call_kwargs(spec, generator)
+    with pytest.raises(ValueError, match=message + r".*pass cache_config="):
+        flex.generate(**inputs, **FLEX, cache_config=ERROR_CONFIG, **kwargs)
+    assert steps.count == 0
+    assert _storages(flex) == [tuple(pointers)]
+
+    # One less fits, on the same storage, with DynamicCache's outputs.
+    smaller = {**kwargs, "max_new_tokens": kwargs["max_new_tokens"] - 1} if "exceeds max_cache_len" in message else {}
+    if "batch_size" in message:
+        inputs = {key: value[:2] for key, value in inputs.items()}
+        smaller = kwargs
+    expected, actual = generate_both(upstream, flex, inputs, cache_config=ERROR_CONFIG, seed=1, **smaller)
+    assert_same_generation(expected, actual)
+    assert _storages(flex) == [tuple(pointers)]
+
+
+def test_a_configured_capacity_stays_a_limit_after_the_storage_grew_past_it():
+    upstream, flex = LLAMA.build()
+    generator = torch.Generator().manual_seed(15)
+    flex.generate(**LLAMA.make_inputs(6, 6, generator), **FLEX, max_new_tokens=20)  # grows to 6 rows x 25 positions
+    pointers = _storages(flex)
+    for inputs, kwargs, message in (
+        (LLAMA.make_inputs(5, 6, generator), {"max_new_tokens": 3}, r"batch_size=5 exceeds max_batch_size=4"),
+        (LLAMA.make_inputs(1, 6, generator), {"max_new_tokens": 12}, r"cache_len=17 exceeds max_cache_len=16"),
+        (
+            LLAMA.make_inputs(1, 6, generator),
+            {"max_new_tokens": 8, "prompt_lookup_num_tokens": 4},
+            r"cache_len=17 exceeds max_cache_len=16",
+        ),
+    ):
+        with pytest.raises(ValueError, match=message):
+            flex.generate(**inputs, **FLEX, cache_config=ERROR_CONFIG, **kwargs)
+        assert _storages(flex) == pointers
+    expected, actual = generate_both(
+        upstream, flex, LLAMA.make_inputs(4, 6, generator), cache_config=ERROR_CONFIG, max_new_tokens=11
+    )
+    assert_same_generation(expected, actual)
+    assert _storages(flex) == pointers
+
+
+def test_a_refused_first_call_allocates_nothing():
+    _, flex = LLAMA.build()
+    inputs = LLAMA.make_inputs(5, 6, torch.Generator().manual_seed(16))
+    with pytest.raises(ValueError, match=r"batch_size=5 exceeds max_batch_size=4"):
+        flex.generate(**inputs, **FLEX, cache_config=ERROR_CONFIG, max_new_tokens=3)
+    assert transformers_flexcache.held_nbytes(flex) == {}
+
+
+def test_an_assistant_with_capacities_of_its_own_is_refused_before_the_main_decoder_runs():
+    upstream, flex = LLAMA.build()
+    _, assistant = LLAMA.build()
+    # The assistant asks for the flexible cache itself (the saved form of its generation config); upstream's candidate
+    # generator clears the main call's request for it.
+    assistant.generation_config.flexible_static = {"max_cache_len": 8, "on_overflow": "error"}
+    inputs = LLAMA.make_inputs(1, 6, torch.Generator().manual_seed(17))
+    steps = _DecoderSteps(flex)
+    with pytest.raises(ValueError, match=r"exceeds max_cache_len=8; pass cache_config="):
+        flex.generate(**inputs, **FLEX, assistant_model=assistant, max_new_tokens=6, do_sample=False)
+    assert steps.count == 0
+    assistant.generation_config.flexible_static = {"max_cache_len": 16, "on_overflow": "error"}
+    expected, actual = generate_both(upstream, flex, inputs, assistant_model=assistant, max_new_tokens=6)
+    assert_same_generation(expected, actual)
+    (assistant_storage,) = _storages(assistant)  # the assistant, continued at every round, allocated once
+    assert pool_of(assistant).caches()[0].num_allocations == 1

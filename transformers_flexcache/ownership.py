@@ -179,10 +179,10 @@ class CachePool:
         return Lease(pool=self, slot=slot, cache=cache, given_by_caller=True)
 
     def _check_capacity(self, kind: tuple, need: Mapping[str, int], config: CacheConfig) -> None:
-        held = self._capacities(kind)
-        if not held or config.on_overflow != "error":
+        if config.on_overflow != "error":
             return
-        _, exceeded = plan_capacities(held, need, config)
+        # Also when nothing is held yet: a first call over a configured capacity must not allocate storage for it.
+        _, exceeded = plan_capacities(self._capacities(kind), need, config)
         if exceeded:
             raise ValueError(overflow_message(exceeded))
 

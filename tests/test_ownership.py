@@ -23,7 +23,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 import transformers_flexcache
 from tests.helpers import assert_same_generation, generate_both
-from tests.model_cases import JAMBA, LLAMA, T5
+from tests.model_cases import BART, JAMBA, LLAMA, PIX2STRUCT, T5, WHISPER
 from transformers_flexcache.ownership import pool_of
 
 TIMEOUT_S = 60  # for every wait and join: generous, so that a loaded machine never fails a correct run
@@ -504,3 +504,72 @@ def test_an_assistant_with_capacities_of_its_own_is_refused_before_the_main_deco
     assert_same_generation(expected, actual)
     (assistant_storage,) = _storages(assistant)  # the assistant, continued at every round, allocated once
     assert pool_of(assistant).caches()[0].num_allocations == 1
+
+
+# --- what a call needs, stated before it starts ---------------------------------------------------------------------
+def test_whisper_needs_batch_times_returned_sequences_times_beams_rows():
+    upstream, flex = WHISPER.build()
+    inputs = WHISPER.make_inputs(2, WHISPER.decoding_input_len, torch.Generator().manual_seed(18))
+    kwargs = {"num_beams": 2, "num_return_sequences": 2, "max_new_tokens": 3}
+    # Whisper's generate repeats its inputs num_return_sequences times, then beam search expands each: 2 x 2 x 2 rows.
+    with pytest.raises(ValueError, match=r"batch_size=8 exceeds max_batch_size=7"):
+        flex.generate(**inputs, **FLEX, cache_config={"max_batch_size": 7, "on_overflow": "error"}, **kwargs)
+    assert transformers_flexcache.held_nbytes(flex) == {}
+    config = {"max_batch_size": 8, "on_overflow": "error"}
+    expected, actual = generate_both(upstream, flex, inputs, cache_config=config, **kwargs)
+    assert_same_generation(expected, actual, atol=WHISPER.padded_score_atol)
+    assert flex.flexible_cache.max_batch_size == 8
+
+
+ENCODER_DECODER = [pytest.param(case, id=case.name) for case in (T5, BART, WHISPER, PIX2STRUCT)]
+
+
+@pytest.mark.parametrize("candidates", ["prompt_lookup", "assistant_model"])
+@pytest.mark.parametrize("case", ENCODER_DECODER)
+def test_candidate_decoding_on_encoder_decoder_models_equals_dynamic_cache(case, candidates, monkeypatch):
+    # Both roll rejected candidates back with `crop`, which a flexible encoder-decoder cache applies to its
+    # self-attention half (upstream's EncoderDecoderCache.crop refuses any cache but DynamicCache).
+    crops = []
+    crop = transformers_flexcache.FlexibleEncoderDecoderCache.crop
+    monkeypatch.setattr(
+        transformers_flexcache.FlexibleEncoderDecoderCache, "crop", lambda self, n: (crops.append(n), crop(self, n))[1]
+    )
+    upstream, flex = case.build()
+    inputs = case.make_inputs(1, case.decoding_input_len or 6, torch.Generator().manual_seed(31))
+    if candidates == "prompt_lookup":
+        kwargs = {"prompt_lookup_num_tokens": 3}
+    else:
+        kwargs = {"assistant_model": case.build(seed=1)[1]}  # another model: some candidates are rejected
+    expected, actual = generate_both(upstream, flex, inputs, max_new_tokens=8, **kwargs, **case.generate_kwargs)
+    assert_same_generation(expected, actual, atol=case.padded_score_atol)
+    assert any(tokens_to_remove < 0 for tokens_to_remove in crops)  # candidates were rejected and rolled back
+
+
+def test_crop_of_an_encoder_decoder_cache_removes_decoder_positions_and_keeps_the_encoder_ones():
+    _, flex = T5.build()
+    cache = transformers_flexcache.FlexibleEncoderDecoderCache.for_model(
+        flex, max_batch_size=2, max_cache_len=8, max_encoder_len=5
+    )
+    keys = torch.randn(2, 4, 6, 8)
+    cache.update(keys, keys + 1, 0)
+    cache.cross_attention_kv(0, torch.randn(2, 5, 32), lambda states: (torch.randn(2, 4, 5, 8),) * 2)
+    cache.crop(-2)  # upstream's semantics: a negative count of positions to remove
+    assert cache.get_seq_length(0) == 4 and cache.get_encoder_length(0) == 5
+    torch.testing.assert_close(cache.get_kv(0, 2, 4)[0], keys[:, :, :4])
+
+
+@pytest.mark.parametrize(
+    "where", ["list", "string", "saved generation config"], ids=["list", "string", "saved-generation-config"]
+)
+def test_a_cache_config_that_is_not_a_dict_is_refused_before_anything_is_built(where):
+    _, flex = LLAMA.build()
+    inputs = LLAMA.make_inputs(1, 4, torch.Generator().manual_seed(20))
+    bad = {"list": [("max_batch_size", 4)], "string": "max_batch_size=4"}.get(where, "max_batch_size=4")
+    if where == "saved generation config":
+        flex.generation_config.flexible_static = bad
+        kwargs = {}
+    else:
+        kwargs = {**FLEX, "cache_config": bad}
+    with pytest.raises(TypeError, match=r"cache_config must be a dict such as \{\"max_batch_size\": 8, "):
+        flex.generate(**inputs, max_new_tokens=2, **kwargs)
+    assert transformers_flexcache.held_nbytes(flex) == {} and flex.flexible_cache is None

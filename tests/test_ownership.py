@@ -24,7 +24,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 import transformers_flexcache
 from tests.helpers import assert_same_generation, generate_both
 from tests.model_cases import BART, JAMBA, LLAMA, PIX2STRUCT, T5, WHISPER
-from transformers_flexcache.ownership import pool_of
+from transformers_flexcache.ownership import CachePool, pool_of
 
 TIMEOUT_S = 60  # for every wait and join: generous, so that a loaded machine never fails a correct run
 FLEX = {"cache_implementation": "flexible_static"}
@@ -573,3 +573,22 @@ def test_a_cache_config_that_is_not_a_dict_is_refused_before_anything_is_built(w
     with pytest.raises(TypeError, match=r"cache_config must be a dict such as \{\"max_batch_size\": 8, "):
         flex.generate(**inputs, max_new_tokens=2, **kwargs)
     assert transformers_flexcache.held_nbytes(flex) == {} and flex.flexible_cache is None
+
+
+@pytest.mark.parametrize("case", [pytest.param(LLAMA, id="llama"), pytest.param(WHISPER, id="whisper")])
+def test_a_returned_cache_is_marked_so_before_its_storage_can_be_leased_again(case, monkeypatch):
+    # Leases prefer storage whose cache nobody kept. If the mark came after the lease was given back, a call of
+    # another thread could take that storage in between, although another one was free.
+    _, flex = case.build()
+    marked_when_given_back = []
+    give_back = CachePool._release_slot
+
+    def recording(self, slot):
+        marked_when_given_back.append(slot.returned)
+        give_back(self, slot)
+
+    monkeypatch.setattr(CachePool, "_release_slot", recording)
+    inputs = case.make_inputs(2, case.decoding_input_len or 5, torch.Generator().manual_seed(21))
+    out = flex.generate(**inputs, **FLEX, **GREEDY, max_new_tokens=2, **case.generate_kwargs)
+    assert out.cache is flex.flexible_cache
+    assert marked_when_given_back == [True]

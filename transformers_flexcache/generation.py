@@ -56,7 +56,8 @@ class FlexCacheGenerationMixin(FixedShapeMasksMixin):
                 output = super().generate(*args, **kwargs)
             else:
                 output = policy_for(self, args, kwargs).generate(self, super().generate, args, kwargs)
-        note_returned(output)
+            # Inside the scope, while the lease is held: once given back, another call may take the storage.
+            note_returned(output)
         return output
 
     def _prepare_generation_config(self, generation_config, **kwargs):
@@ -204,4 +205,7 @@ class FlexCacheInnerGenerateMixin(GenerationMixin):
 
     def generate(self, *args, **kwargs):
         with call_scope():
-            return policy_for(self, args, kwargs).generate(self, super().generate, args, kwargs)
+            output = policy_for(self, args, kwargs).generate(self, super().generate, args, kwargs)
+            # The model's generate usually returns this cache (Whisper's does when its rows are the call's rows).
+            note_returned(output)
+            return output

@@ -592,3 +592,28 @@ def test_a_returned_cache_is_marked_so_before_its_storage_can_be_leased_again(ca
     out = flex.generate(**inputs, **FLEX, **GREEDY, max_new_tokens=2, **case.generate_kwargs)
     assert out.cache is flex.flexible_cache
     assert marked_when_given_back == [True]
+
+
+PADDED_CASES = [pytest.param(case, id=case.name) for case in (LLAMA, JAMBA, T5)]
+
+
+@pytest.mark.parametrize("name", ["cache", "past_key_values"])
+@pytest.mark.parametrize("case", PADDED_CASES)
+def test_a_cache_of_the_padded_policy_continues_like_dynamic_cache(case, name):
+    # The first call ran padded: 2 rows padded to 4, a prompt of 5 left-padded to 8 (decoder-only), encoder outputs of
+    # 5 right-padded to 8 (encoder-decoder). The continuation must run at those shapes too, or it reads the padding.
+    upstream, flex = case.build()
+    inputs = case.make_inputs(2, 5, torch.Generator().manual_seed(22))
+    config = {"shape_policy": "padded", "max_batch_size": 4, "max_cache_len": 40}
+    config.update({"max_encoder_len": 8} if flex.config.is_encoder_decoder else {"max_prompt_len": 8})
+    expected_first = upstream.generate(**inputs, **GREEDY, max_new_tokens=4)
+    actual_first = flex.generate(**inputs, **FLEX, cache_config=config, **GREEDY, max_new_tokens=4)
+    assert_same_generation(expected_first, actual_first)
+    if flex.config.is_encoder_decoder:  # upstream continues a decoder from its sequences, with the same encoder input
+        expected_turn = {**inputs, "decoder_input_ids": expected_first.sequences}
+        actual_turn = {**inputs, "decoder_input_ids": actual_first.sequences}
+    else:
+        expected_turn = actual_turn = _next_turn(expected_first, inputs, torch.Generator().manual_seed(220))
+    expected = upstream.generate(**expected_turn, cache=expected_first.cache, **GREEDY, max_new_tokens=4)
+    actual = flex.generate(**actual_turn, **{name: actual_first.cache}, **GREEDY, max_new_tokens=4)
+    assert_same_generation(expected, actual)

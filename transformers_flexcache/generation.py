@@ -165,7 +165,8 @@ class FlexCacheGenerationMixin(FixedShapeMasksMixin):
             )
         if generation_config.use_cache is False and given is None:
             return
-        config = config or CacheConfig(on_overflow=given.on_overflow)
+        # A continuation without a cache_config of its own runs as its cache was filled.
+        config = config or CacheConfig(on_overflow=given.on_overflow, shape_policy=given.shape_policy)
         policy = policy_for(self, (), {}, config=config)
         extra_need = policy.prepare_model_kwargs(self, generation_config, model_kwargs, config)
         need = {

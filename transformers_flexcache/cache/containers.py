@@ -126,6 +126,9 @@ class FlexibleStaticCache(Cache):
     _owner = None  # the pool that holds this cache (see `ownership.py`), or None
     # A shape, not storage: with the padded policy, decoder-only prompts are left-padded to it. 0: not set yet.
     max_prompt_len = 0
+    # Padded policy: the masked columns before the real prompt of the call that filled this cache. A continuation
+    # from it is left-padded by as many, so that its positions line up with what the cache holds.
+    num_prompt_pad = 0
 
     def __init__(
         self,

@@ -617,3 +617,20 @@ def test_a_cache_of_the_padded_policy_continues_like_dynamic_cache(case, name):
     expected = upstream.generate(**expected_turn, cache=expected_first.cache, **GREEDY, max_new_tokens=4)
     actual = flex.generate(**actual_turn, **{name: actual_first.cache}, **GREEDY, max_new_tokens=4)
     assert_same_generation(expected, actual)
+
+
+@pytest.mark.parametrize("candidates", ["prompt_lookup", "assistant_model"])
+@pytest.mark.parametrize("case", [pytest.param(case, id=case.name) for case in (LLAMA, T5, WHISPER)])
+def test_candidate_decoding_with_the_padded_policy_equals_dynamic_cache(case, candidates):
+    # Padding rows would make upstream refuse candidate decoding (batch 1 only), and an encoder-decoder assistant
+    # re-encodes the inputs at their own length: such calls are padded in their decoder-only prompt only.
+    upstream, flex = case.build()
+    inputs = case.make_inputs(1, case.decoding_input_len or 6, torch.Generator().manual_seed(31))
+    config = {"shape_policy": "padded", "max_batch_size": 2, "max_cache_len": 40}
+    config.update({"max_encoder_len": 16} if flex.config.is_encoder_decoder else {"max_prompt_len": 8})
+    if candidates == "prompt_lookup":
+        kwargs = {"prompt_lookup_num_tokens": 3}
+    else:
+        kwargs = {"assistant_model": case.build(seed=1)[1]}
+    expected, actual = generate_both(upstream, flex, inputs, cache_config=config, max_new_tokens=8, **kwargs)
+    assert_same_generation(expected, actual, atol=case.padded_score_atol)

@@ -31,6 +31,9 @@ Design decisions (padded):
   Whisper's `encoder_attention_mask`).
 - Outputs are cut back: every batch-major tensor to its real rows, `sequences` also to the real prompt's columns.
   Attention weights and hidden states keep the padded lengths, and the returned cache holds the padded rows.
+- Candidate decoding (an assistant model, prompt lookup) is padded in its decoder-only prompt only: upstream runs it
+  at batch 1, its shapes change at every step, and an encoder-decoder assistant re-encodes the inputs at their own
+  length, so that padded rows or encoder outputs would only break it.
 - A continuation (generate given a padded cache as `cache`/`past_key_values`) runs at the shapes that cache was
   filled at: its rows (the real rows first, then the padding rows, which repeat the first real row as before), the
   same left padding of the prompt (`num_prompt_pad` of the cache) and encoder outputs padded to its
@@ -47,6 +50,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from transformers import masking_utils
+from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 from transformers.utils import ModelOutput
 
@@ -198,6 +202,7 @@ class PaddedCall:
     num_prompt_pad: int  # columns added on the left of decoder-only `input_ids` (cut from `sequences`)
     padded_prompt_len: int
     continuation: bool = False  # the call continues a cache given to it, at that cache's shapes
+    candidates: bool = False  # candidate decoding (assistant, prompt lookup): batch and encoder are not padded
 
     def stopping_criteria(self, given: StoppingCriteriaList | None) -> StoppingCriteriaList | None:
         """The caller's stopping criteria, plus one that finishes the padding rows (when there are any)."""
@@ -303,6 +308,11 @@ class PaddedPolicy:
             raise ValueError(overflow_message(exceeded))
         return target
 
+    def _planned_prompt_pad(self, model, config: CacheConfig, prompt_len: int) -> int:
+        if model.config.is_encoder_decoder:
+            return 0
+        return self._planned(model, config, {"max_prompt_len": prompt_len})["max_prompt_len"] - prompt_len
+
     def _pad_call(
         self, model, resolved, config, arguments: dict, extra: dict, model_kwargs: dict, *, main_param, given=None
     ):
@@ -312,8 +322,16 @@ class PaddedPolicy:
         inputs_tensor, input_name, _ = model._prepare_model_inputs(inputs, resolved.bos_token_id, dict(model_kwargs))
         batch_size, prompt_len = inputs_tensor.shape[0], inputs_tensor.shape[1]
         expand = max(resolved.num_beams or 1, resolved.num_return_sequences or 1)
+        # Upstream's candidate decoding (assistant, prompt lookup) runs a batch of one, and its candidates change the
+        # shapes at every step anyway: padding rows would make it refuse the call, and an encoder-decoder assistant
+        # encodes the inputs again, at their own length, but would get the padded encoder mask.
+        candidates = (
+            resolved.get_generation_mode(arguments.get("assistant_model")) == GenerationMode.ASSISTED_GENERATION
+        )
         if given is not None:
             padded_batch_size, num_prompt_pad = given.batch_size // expand, given.num_prompt_pad
+        elif candidates:
+            padded_batch_size, num_prompt_pad = batch_size, self._planned_prompt_pad(model, config, prompt_len)
         else:
             need = {"max_batch_size": batch_size * expand}
             if not model.config.is_encoder_decoder:
@@ -327,6 +345,7 @@ class PaddedPolicy:
             num_prompt_pad=num_prompt_pad,
             padded_prompt_len=prompt_len + num_prompt_pad,
             continuation=given is not None,
+            candidates=candidates,
         )
 
         model_inputs = {key: extra[key] for key in model_kwargs if key in extra}
@@ -362,7 +381,8 @@ class PaddedPolicy:
             if not calls or calls[-1].continuation:  # a continuation keeps the prompt shape of its cache
                 return {}
             return {"max_prompt_len": calls[-1].padded_prompt_len}
-        if model_kwargs.get("encoder_outputs") is not None:
+        calls = getattr(_active, "calls", None)
+        if model_kwargs.get("encoder_outputs") is not None and not (calls and calls[-1].candidates):
             encoder_len = model_kwargs["encoder_outputs"][0].shape[1]
             given = given_cache(model_kwargs)
             planned = self._planned(model, config, {"max_encoder_len": encoder_len}, given=given)

@@ -83,20 +83,24 @@ def _storages(flex) -> list[tuple[int, ...]]:
 
 
 # --- threads ------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("case", THREAD_CASES)
+@pytest.mark.parametrize("case", [*THREAD_CASES, pytest.param(WHISPER, id="whisper")])
 def test_threads_calling_generate_on_one_model_get_the_outputs_of_dynamic_cache(case):
+    # Whisper's own generate reads the cache after each of its inner calls to upstream's generate: those keep their
+    # storage until Whisper's call ends (parked leases), or another thread's call could reuse it in between.
     upstream, flex = case.build()
     generator = torch.Generator().manual_seed(0)
     # Different batches and lengths, so that a call that read another's storage would give other tokens.
     inputs = [case.make_inputs(1 + i % 3, 3 + i, generator) for i in range(6)]
-    expected = [upstream.generate(**x, **GREEDY, max_new_tokens=4) for x in inputs]
+    expected = [upstream.generate(**x, **GREEDY, max_new_tokens=4, **case.generate_kwargs) for x in inputs]
     num_threads, calls_per_thread = 4, 3
     start = threading.Barrier(num_threads, timeout=TIMEOUT_S)
 
     def calls(t: int):
         start.wait()
         order = [(t + j) % len(inputs) for j in range(calls_per_thread)]
-        return [(i, flex.generate(**inputs[i], **FLEX, **GREEDY, max_new_tokens=4)) for i in order]
+        return [
+            (i, flex.generate(**inputs[i], **FLEX, **GREEDY, max_new_tokens=4, **case.generate_kwargs)) for i in order
+        ]
 
     threads = [_Thread(lambda t=t: calls(t), name=f"caller-{t}") for t in range(num_threads)]
     for thread in threads:
@@ -136,6 +140,35 @@ def test_max_concurrent_calls_run_at_once_on_storages_of_their_own_and_one_more_
     for x, thread in zip(inputs, threads, strict=True):
         assert_same_generation(upstream.generate(**x, **GREEDY, max_new_tokens=3), thread.outcome())
     assert _storages(flex) == storages  # no third storage, nothing reallocated
+
+
+def test_threads_sharing_an_assistant_model_get_the_tokens_of_dynamic_cache():
+    # The assistant's cache is continued at every round of assisted decoding, by calls of the assistant's own pool;
+    # between two rounds another thread's call could reuse that storage if the rounds gave their leases back.
+    upstream, flex = LLAMA.build()
+    upstream_assistant, assistant = LLAMA.build(seed=1)
+    assistant.generation_config.flexible_static = {}  # the assistant uses a flexible cache of its own
+    generator = torch.Generator().manual_seed(23)
+    inputs = [LLAMA.make_inputs(1, 4 + i, generator) for i in range(3)]
+    kwargs = {"max_new_tokens": 8, "do_sample": False}
+    expected = [upstream.generate(**x, assistant_model=upstream_assistant, **kwargs) for x in inputs]
+    start = threading.Barrier(len(inputs), timeout=TIMEOUT_S)
+
+    def calls(t: int):
+        start.wait()
+        config = {"max_concurrent_calls": len(inputs)}
+        return [
+            (i, flex.generate(**inputs[i], **FLEX, cache_config=config, assistant_model=assistant, **kwargs))
+            for i in ((t + j) % len(inputs) for j in range(2))
+        ]
+
+    threads = [_Thread(lambda t=t: calls(t), name=f"caller-{t}") for t in range(len(inputs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        for i, actual in thread.outcome():
+            assert torch.equal(expected[i], actual)
+    assert len(pool_of(assistant).caches()) == 1  # the assistant's default bound: its rounds took turns
 
 
 def test_a_call_beyond_max_concurrent_calls_with_on_busy_error_raises_and_later_calls_work():

@@ -513,12 +513,13 @@ def test_a_configured_capacity_stays_a_limit_after_the_storage_grew_past_it():
     assert _storages(flex) == pointers
 
 
-def test_a_refused_first_call_allocates_nothing():
+def test_a_refused_first_call_allocates_nothing_and_changes_no_setting_of_the_pool():
     _, flex = LLAMA.build()
     inputs = LLAMA.make_inputs(5, 6, torch.Generator().manual_seed(16))
     with pytest.raises(ValueError, match=r"batch_size=5 exceeds max_batch_size=4"):
-        flex.generate(**inputs, **FLEX, cache_config=ERROR_CONFIG, max_new_tokens=3)
+        flex.generate(**inputs, **FLEX, cache_config={**ERROR_CONFIG, "max_concurrent_calls": 3}, max_new_tokens=3)
     assert transformers_flexcache.held_nbytes(flex) == {}
+    assert pool_of(flex).max_concurrent_calls == 1
 
 
 def test_an_assistant_with_capacities_of_its_own_is_refused_before_the_main_decoder_runs():

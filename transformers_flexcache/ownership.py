@@ -148,9 +148,9 @@ class CachePool:
         """
         me = threading.get_ident()
         with self._condition:
+            self._check_capacity(kind, need, config)  # first: a refused call changes nothing, the bound included
             if config.max_concurrent_calls is not None:
                 self.max_concurrent_calls = config.max_concurrent_calls
-            self._check_capacity(kind, need, config)
             while True:
                 slot = self._idle_slot(kind, need, me)
                 if slot is not None:

@@ -1,6 +1,6 @@
-"""GPU check: CUDA graphs (`torch.compile(mode="reduce-overhead")`) over a stream of generate calls of new shapes.
+"""GPU checks: CUDA graphs over a stream of generate calls of new shapes, and storage placed per layer across devices.
 
-On one CUDA device, for a seeded random model (see `transformers_flexcache.compile_bench` for the configs):
+On one CUDA device, for a seeded random model (small real-ish configs below):
 1. `flexible padded` (`cache_implementation="flexible_static"`, `shape_policy="padded"`): over the stream, the decode
    step compiles once, CUDA graphs are recorded during the first call only (one capture set, reused by every later
    batch and length) and never skipped, and the tokens equal those of upstream's DynamicCache run eagerly on the same
@@ -10,10 +10,18 @@ On one CUDA device, for a seeded random model (see `transformers_flexcache.compi
 3. Decode-step latency of both, warm, on the largest shape: (time of N tokens - time of 1 token) / (N - 1), median
    of `--repeats` runs, exactly N tokens per call (`min_new_tokens`).
 
-Exit status: 0 when (1) holds, 1 when it does not, 2 when there is no CUDA device.
+Placement (`--check placement`), the model loaded with an accelerate `device_map` that splits its decoder layers:
+with two CUDA devices, the first half on cuda:0 and the rest on cuda:1; with one, the first half on cuda:0 and the rest
+mapped to "cpu" (accelerate offloads them; they run where their hooks say); on CPU (`--allow-cpu`), the rest offloaded
+to disk. Over a stream of calls,
+the flexible tokens equal DynamicCache's on the same model, the storage is allocated once, and each layer's storage is
+on the device where that layer's key projection actually ran (recorded by forward hooks, not read from the placement
+code under test); bytes per device are reported.
+
+Exit status: 0 when every check holds, 1 when one does not, 2 when there is no CUDA device.
 
 Run from the repository root, on a machine with a GPU:
-    PYTHONPATH=. python scripts/gpu_check.py --model t5 --json gpu_check.json
+    PYTHONPATH=. python scripts/gpu_check.py --model t5 --json gpu_check.json   # --model llama / all, --check ...
 `--allow-cpu` runs the same steps on CPU (no CUDA graphs: recordings stay 0), only to smoke-test this script.
 """
 
@@ -24,12 +32,73 @@ import contextlib
 import json
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
-from transformers import CompileConfig
+from transformers import CompileConfig, LlamaConfig, T5Config
 
-from transformers_flexcache.compile_bench import STREAM, build_model, capacities, make_inputs
+import transformers_flexcache
+
+# (batch, prompt or encoder length): every call a new shape; `--new-tokens` tokens are generated per call.
+STREAM = [(8, 24), (2, 9), (5, 17), (1, 30), (7, 12), (3, 21)]
+VOCAB = 2000
+NUM_LAYERS = 4
+
+
+def build_model(model_type: str, seed: int = 0):
+    """A seeded random override model of a small but not toy size (4 layers, hidden 256)."""
+    from model_overrides.llama import FlexLlamaForCausalLM
+    from model_overrides.t5 import FlexT5ForConditionalGeneration
+
+    if model_type == "t5":
+        config = T5Config(
+            vocab_size=VOCAB,
+            d_model=256,
+            d_kv=32,
+            d_ff=1024,
+            num_layers=NUM_LAYERS,
+            num_heads=8,
+            decoder_start_token_id=0,
+        )
+        model_class = FlexT5ForConditionalGeneration
+    elif model_type == "llama":
+        config = LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=256,
+            intermediate_size=688,
+            num_hidden_layers=NUM_LAYERS,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+        model_class = FlexLlamaForCausalLM
+    else:
+        raise ValueError(f"--model {model_type!r} is not one of ('t5', 'llama')")
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return model_class(config).eval()
+
+
+def make_inputs(batch_size: int, length: int, generator: torch.Generator, *, padding_side: str) -> dict:
+    """Random tokens with a mask; row 0 is padded to half its length, as a tokenizer would pad a batch."""
+    input_ids = torch.randint(3, VOCAB, (batch_size, length), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    if batch_size > 1:
+        pad = slice(0, length // 2) if padding_side == "left" else slice(length - length // 2, length)
+        attention_mask[0, pad] = 0
+        input_ids[0, pad] = 0
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+def capacities(model, new_tokens: int) -> dict:
+    max_batch = max(batch for batch, _ in STREAM)
+    max_len = max(length for _, length in STREAM)
+    if model.config.is_encoder_decoder:
+        return {"max_batch_size": max_batch, "max_cache_len": new_tokens, "max_encoder_len": max_len}
+    return {"max_batch_size": max_batch, "max_cache_len": max_len + new_tokens, "max_prompt_len": max_len}
 
 
 @contextlib.contextmanager
@@ -173,9 +242,128 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+# --- placement across devices --------------------------------------------------------------------------------------
+def split_devices() -> tuple[object, object, str]:
+    """(device of the first half of the decoder layers, of the second half, what the split is)."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count >= 2:
+        return 0, 1, "two CUDA devices: layers on cuda:0 and cuda:1"
+    if count == 1:
+        return 0, "cpu", "one CUDA device: half the layers on cuda:0, the rest mapped to the CPU (accelerate offload)"
+    return "cpu", "disk", "CPU only: half the layers on the CPU, the rest offloaded to disk (run on the CPU)"
+
+
+def split_device_map(model_type: str, first, second) -> dict:
+    """A device_map with decoder layers [0, NUM_LAYERS / 2) on `first` and the rest on `second`. Tied embeddings
+    (T5's) stay on one real device: upstream's loader cannot compare tied weights offloaded to disk."""
+    half = NUM_LAYERS // 2
+    home = first if first != "disk" else "cpu"
+    last = second if second not in ("cpu", "disk") else home  # lm_head runs where the last layer's output arrives
+    if model_type == "llama":
+        layers = {f"model.layers.{i}": first if i < half else second for i in range(NUM_LAYERS)}
+        return {"model.embed_tokens": home, **layers, "model.norm": last, "model.rotary_emb": home, "lm_head": last}
+    layers = {f"decoder.block.{i}": first if i < half else second for i in range(NUM_LAYERS)}
+    return {
+        "shared": home,
+        "encoder": home,
+        "decoder.embed_tokens": home,
+        **layers,
+        "decoder.final_layer_norm": last,
+        "decoder.dropout": last,
+        "lm_head": last,
+    }
+
+
+def record_key_devices(model) -> dict[int, torch.device]:
+    """Forward hooks that record, per decoder layer, the device of its self-attention keys as they are computed."""
+    from transformers_flexcache.cache.placement import KEY_PROJECTION_NAMES, attention_modules
+
+    seen: dict[int, torch.device] = {}
+    own, _ = attention_modules(model)
+    for layer_idx, module in own.items():
+        projection = next(getattr(module, name) for name in KEY_PROJECTION_NAMES if hasattr(module, name))
+
+        def hook(_module, _inputs, output, layer_idx=layer_idx):
+            seen[layer_idx] = output.device
+
+        projection.register_forward_hook(hook)
+    return seen
+
+
+def check_placement(model_type: str, *, new_tokens: int) -> dict:
+    """The flexible cache on a model split by a device_map: same tokens as DynamicCache, storage beside each layer."""
+    first, second, split = split_devices()
+    device_map = split_device_map(model_type, first, second)
+    with tempfile.TemporaryDirectory() as folder:
+        build_model(model_type).save_pretrained(folder)
+        model = (
+            type(build_model(model_type))
+            .from_pretrained(folder, device_map=device_map, offload_folder=f"{folder}/offload")
+            .eval()
+        )
+        key_devices = record_key_devices(model)
+        generator = torch.Generator().manual_seed(0)
+        padding_side = "right" if model.config.is_encoder_decoder else "left"
+        config = {**capacities(model, new_tokens), "shape_policy": "exact"}
+        calls, pointers, tokens_equal = [], set(), True
+        for batch, length in STREAM[:3]:
+            inputs = make_inputs(batch, length, generator, padding_side=padding_side)
+            kwargs = {"max_new_tokens": new_tokens, "do_sample": False}
+            with torch.inference_mode():
+                expected = model.generate(**inputs, **kwargs)
+                actual = model.generate(
+                    **inputs,
+                    **kwargs,
+                    cache_implementation="flexible_static",
+                    cache_config=config,
+                    return_dict_in_generate=True,
+                )
+            tokens_equal &= torch.equal(expected.cpu(), actual.sequences.cpu())
+            pointers.add(tuple(actual.cache.data_ptrs()))
+            calls.append({"batch": batch, "length": length})
+        cache = actual.cache
+        self_cache = getattr(cache, "self_attention_cache", cache)
+        storage_devices = [str(layer.storages()[0].device) for layer in self_cache.layers]
+        layers = [
+            {"layer": i, "keys_computed_on": str(key_devices.get(i)), "storage": storage_devices[i]}
+            for i in range(len(storage_devices))
+        ]
+        beside = all(layer["keys_computed_on"] == layer["storage"] for layer in layers)
+        held = transformers_flexcache.held_nbytes(model)
+        freed = transformers_flexcache.release(model)
+    passed = tokens_equal and beside and len(pointers) == 1 and freed == sum(held.values())
+    return {
+        "model": model_type,
+        "split": split,
+        "device_map": {key: str(value) for key, value in device_map.items()},
+        "calls": calls,
+        "tokens_equal": tokens_equal,
+        "storages_over_stream": len(pointers),
+        "layers": layers,
+        "held_nbytes": held,
+        "released_nbytes": freed,
+        "passed": passed,
+    }
+
+
+def format_placement(result: dict) -> str:
+    lines = [f"placement model={result['model']}: {result['split']}"]
+    for layer in result["layers"]:
+        lines.append(
+            f"  layer {layer['layer']}: keys computed on {layer['keys_computed_on']}, storage on {layer['storage']}"
+        )
+    lines.append(
+        f"  tokens equal DynamicCache: {'yes' if result['tokens_equal'] else 'NO'}; storages over the stream: "
+        f"{result['storages_over_stream']}; held per device: {result['held_nbytes']}; released: {result['released_nbytes']}"
+    )
+    lines.append("  PASS" if result["passed"] else "  FAIL: storage should sit beside each layer, allocated once")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=("t5", "llama", "all"), default="t5")
+    parser.add_argument("--check", choices=("compile", "placement", "all"), default="all")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--new-tokens", type=int, default=16, help="tokens per call of the stream")
     parser.add_argument("--latency-tokens", type=int, default=64, help="N of the decode-step latency")
@@ -195,17 +383,22 @@ def main(argv: list[str] | None = None) -> int:
     models = ("t5", "llama") if args.model == "all" else (args.model,)
     results = []
     for model_type in models:
-        result = check(
-            model_type,
-            device=device,
-            dtype=getattr(torch, args.dtype),
-            new_tokens=args.new_tokens,
-            tokens=args.latency_tokens,
-            repeats=args.repeats,
-            backend=args.backend,
-        )
-        print(format_table(result), flush=True)
-        results.append(result)
+        if args.check in ("compile", "all"):
+            result = check(
+                model_type,
+                device=device,
+                dtype=getattr(torch, args.dtype),
+                new_tokens=args.new_tokens,
+                tokens=args.latency_tokens,
+                repeats=args.repeats,
+                backend=args.backend,
+            )
+            print(format_table(result), flush=True)
+            results.append(result)
+        if args.check in ("placement", "all"):
+            result = check_placement(model_type, new_tokens=args.new_tokens)
+            print(format_placement(result), flush=True)
+            results.append(result)
     with open(args.json, "w") as f:
         json.dump(results, f, indent=2)
     print(f"wrote {args.json}")

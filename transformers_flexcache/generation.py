@@ -65,7 +65,8 @@ class FlexCacheGenerationMixin(FixedShapeMasksMixin):
                 output = super().generate(*args, **kwargs)
             else:
                 output = policy_for(self, args, kwargs).generate(self, super().generate, args, kwargs)
-        note_returned(output)
+            # Inside the scope, while the lease is held: once given back, another call may take the storage.
+            note_returned(output)
         return output
 
     def _prepare_generation_config(self, generation_config, **kwargs):
@@ -173,7 +174,8 @@ class FlexCacheGenerationMixin(FixedShapeMasksMixin):
             )
         if generation_config.use_cache is False and given is None:
             return
-        config = config or CacheConfig(on_overflow=given.on_overflow)
+        # A continuation without a cache_config of its own runs as its cache was filled.
+        config = config or CacheConfig(on_overflow=given.on_overflow, shape_policy=given.shape_policy)
         policy = policy_for(self, (), {}, config=config)
         extra_need = policy.prepare_model_kwargs(self, generation_config, model_kwargs, config)
         need = {
@@ -213,4 +215,7 @@ class FlexCacheInnerGenerateMixin(GenerationMixin):
 
     def generate(self, *args, **kwargs):
         with call_scope():
-            return policy_for(self, args, kwargs).generate(self, super().generate, args, kwargs)
+            output = policy_for(self, args, kwargs).generate(self, super().generate, args, kwargs)
+            # The model's generate usually returns this cache (Whisper's does when its rows are the call's rows).
+            note_returned(output)
+            return output

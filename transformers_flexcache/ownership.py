@@ -13,12 +13,18 @@ Design decisions:
   continuing from someone else's keys. Leases prefer storage whose cache was not returned to the caller, so a kept
   cache survives as long as the pool has other storage to give.
 - A cache passed back to `generate` (`past_key_values=...`, a continuation) is leased as it is, not renewed, and
-  reserved once for the whole call (see `FlexibleStaticCache.reserve`), so continuing never reallocates per token.
+  reserved once for the whole call, its length growing at least twofold when it must grow (see
+  `FlexibleStaticCache.reserve`), so continuing, turn by turn or token by token, never reallocates per turn.
 - `release(model)` frees every idle cache of the pool at once (and the leased ones when their calls end): upstream
   removed its own hidden cache reuse because "it will keep a big memory footprint without the user noticing"
   (transformers PR #47731). Ours is explicit, counted (`held_nbytes`) and releasable.
-- A lease lasts one upstream `generate` call: `call_scope()` opens around each, and gives back every lease taken in it
-  when it closes, whatever happened in between.
+- A lease lasts one `generate` call: `call_scope()` opens around each, and gives back every lease taken in it when it
+  closes, whatever happened in between. A generate call made inside another one of the same thread (each of Whisper's
+  calls per segment and temperature fallback, an assistant model's call per round of assisted decoding) *parks* its
+  leases in the enclosing call when it ends: the storage stays that thread's until the outermost call ends, because
+  that call still reads it (Whisper's post-processing; the assistant's cache, continued at the next round), and only
+  a later call of the same thread may lease it again meanwhile. Given back at once, another thread could reuse it in
+  between and the running call would fail on a stale cache.
 """
 
 from __future__ import annotations
@@ -46,26 +52,40 @@ class _Slot:
 
     cache: object
     kind: tuple
-    holder: int | None = None  # thread id of the generate call that leases it
+    lease: Lease | None = None  # the lease that holds it now (None: idle)
     returned: bool = False  # whether the cache object of the last lease went back to the caller
     lease_count: int = 0
     free_on_return: bool = False
 
+    @property
+    def holder(self) -> int | None:
+        """Thread id of the generate call that holds it (its lease active or parked), or None."""
+        return self.lease.thread if self.lease is not None else None
+
 
 @dataclass
 class Lease:
-    """A cache lent to one generate call; `give_back` ends it."""
+    """A cache lent to one generate call; `give_back` ends it, `park` keeps it for the enclosing call."""
 
     pool: CachePool
     slot: _Slot | None
     cache: object
+    thread: int = field(default_factory=threading.get_ident)
     given_by_caller: bool = False
+    parked: bool = False  # its call ended inside an enclosing generate call of the same thread, which keeps it
     _ended: bool = field(default=False, repr=False)
 
     def give_back(self) -> None:
         if not self._ended:
             self._ended = True
             self.pool._give_back(self)
+
+    def park(self) -> None:
+        self.parked = True
+
+    def available_to(self, thread: int) -> bool:
+        """Whether a new lease of `thread` may take this one's storage: its call ended, in that same thread."""
+        return self.parked and self.thread == thread
 
 
 class CachePool:
@@ -80,7 +100,7 @@ class CachePool:
         self.max_concurrent_calls = DEFAULT_MAX_CONCURRENT_CALLS
         self._slots: list[_Slot] = []
         self._condition = threading.Condition()
-        self._given: dict[int, int] = {}  # id(cache) -> thread id, for caches passed in by callers
+        self._given: dict[int, Lease] = {}  # id(cache) -> its lease, for caches passed in that the pool does not hold
 
     # --- what the pool holds ----------------------------------------------------------------------------------
     def caches(self) -> list:
@@ -128,25 +148,25 @@ class CachePool:
         """
         me = threading.get_ident()
         with self._condition:
+            self._check_capacity(kind, need, config)  # first: a refused call changes nothing, the bound included
             if config.max_concurrent_calls is not None:
                 self.max_concurrent_calls = config.max_concurrent_calls
-            self._check_capacity(kind, need, config)
             while True:
-                slot = self._idle_slot(kind, need)
+                slot = self._idle_slot(kind, need, me)
                 if slot is not None:
                     break
                 if self._room_for_one_more(kind):
                     slot = self._new_slot(kind, need, config, build)
                     break
                 self._refuse_or_wait(me, config)
-            slot.holder = me
+            lease = self._take(slot, slot.cache, me)
         try:
-            cache = self._renew(slot)
-            cache.reserve(need, config=config)
+            lease.cache = self._renew(slot)
+            lease.cache.reserve(need, config=config)
         except BaseException:
-            self._release_slot(slot)
+            lease.give_back()
             raise
-        return Lease(pool=self, slot=slot, cache=cache)
+        return lease
 
     def lease_given(self, cache, *, need: Mapping[str, int], config: CacheConfig) -> Lease:
         """Lend a cache that the caller passed back to `generate` (a continuation), as it is, for one call.
@@ -160,33 +180,45 @@ class CachePool:
         me = threading.get_ident()
         with self._condition:
             slot = next((slot for slot in self._slots if slot.cache is cache), None)
-            holder = slot.holder if slot is not None else self._given.get(id(cache))
-            if holder is not None:
+            current = slot.lease if slot is not None else self._given.get(id(cache))
+            if current is not None and not current.available_to(me):
                 raise RuntimeError(
-                    f"this cache is in use by another generate call of {self.owner_name} (thread {holder}); a cache "
-                    "serves one call at a time: wait for that call, or pass a cache of your own"
+                    f"this cache is in use by another generate call of {self.owner_name} (thread {current.thread}); "
+                    "a cache serves one call at a time: wait for that call, or pass a cache of your own"
                 )
-            if slot is not None:
-                slot.holder = me
-            else:
-                self._given[id(cache)] = me
+            lease = self._take(slot, cache, me, given_by_caller=True)
         try:
-            cache.reserve(need, config=config)
+            cache.reserve(need, config=config, geometric=True)
         except BaseException:
-            Lease(pool=self, slot=slot, cache=cache, given_by_caller=True).give_back()
+            lease.give_back()
             raise
-        return Lease(pool=self, slot=slot, cache=cache, given_by_caller=True)
+        return lease
+
+    def _take(self, slot: _Slot | None, cache, me: int, *, given_by_caller: bool = False) -> Lease:
+        """A new lease of `slot` (or of `cache`, given by a caller, that no slot holds) for thread `me`; a parked lease
+        of that storage is superseded (its give-back does nothing: the new one gives it back)."""
+        current = slot.lease if slot is not None else self._given.get(id(cache))
+        if current is not None:
+            current._ended = True
+        lease = Lease(pool=self, slot=slot, cache=cache, thread=me, given_by_caller=given_by_caller)
+        if slot is not None:
+            slot.lease = lease
+        else:
+            self._given[id(cache)] = lease
+        return lease
 
     def _check_capacity(self, kind: tuple, need: Mapping[str, int], config: CacheConfig) -> None:
-        held = self._capacities(kind)
-        if not held or config.on_overflow != "error":
+        if config.on_overflow != "error":
             return
-        _, exceeded = plan_capacities(held, need, config)
+        # Also when nothing is held yet: a first call over a configured capacity must not allocate storage for it.
+        _, exceeded = plan_capacities(self._capacities(kind), need, config)
         if exceeded:
             raise ValueError(overflow_message(exceeded))
 
-    def _idle_slot(self, kind: tuple, need: Mapping[str, int]) -> _Slot | None:
-        idle = [slot for slot in self._slots if slot.holder is None and slot.kind == kind]
+    def _idle_slot(self, kind: tuple, need: Mapping[str, int], me: int) -> _Slot | None:
+        idle = [
+            slot for slot in self._slots if slot.kind == kind and (slot.lease is None or slot.lease.available_to(me))
+        ]
         if not idle:
             return None
 
@@ -228,7 +260,9 @@ class CachePool:
         return slot
 
     def _refuse_or_wait(self, me: int, config: CacheConfig) -> None:
-        mine = any(slot.holder == me for slot in self._slots) or me in self._given.values()
+        mine = any(slot.holder == me for slot in self._slots) or any(
+            lease.thread == me for lease in self._given.values()
+        )
         busy = (
             f"{self.max_concurrent_calls} generate call(s) of {self.owner_name} already hold its flexible caches "
             f"(max_concurrent_calls={self.max_concurrent_calls})"
@@ -263,16 +297,17 @@ class CachePool:
         return slot.cache
 
     def _give_back(self, lease: Lease) -> None:
-        if lease.slot is None:
-            with self._condition:
-                self._given.pop(id(lease.cache), None)
+        with self._condition:  # reentrant: `_release_slot` takes it again
+            if lease.slot is None:
+                if self._given.get(id(lease.cache)) is lease:
+                    del self._given[id(lease.cache)]
                 self._condition.notify_all()
-            return
-        self._release_slot(lease.slot)
+            elif lease.slot.lease is lease:  # not superseded by a later lease of the same thread
+                self._release_slot(lease.slot)
 
     def _release_slot(self, slot: _Slot) -> None:
         with self._condition:
-            slot.holder = None
+            slot.lease = None
             if slot.free_on_return and slot in self._slots:
                 self._slots.remove(slot)
                 slot.cache.free(_released_reason(self.owner_name))
@@ -353,7 +388,8 @@ def held_nbytes(model) -> dict[str, int]:
 # --- the lease scope of one generate call -----------------------------------------------------------------------
 @contextlib.contextmanager
 def call_scope():
-    """Open around one upstream `generate` call: the leases taken inside are given back when it closes."""
+    """Open around one `generate` call: the leases taken inside are given back when it closes (parked in the
+    enclosing scope, when there is one)."""
     stack = getattr(_frames, "stack", None)
     if stack is None:
         stack = _frames.stack = []
@@ -363,8 +399,13 @@ def call_scope():
         yield frame
     finally:
         stack.pop()
-        for lease in reversed(frame):
-            lease.give_back()
+        if stack:  # inside another generate call of this thread: it keeps the storage (see the module docstring)
+            for lease in frame:
+                lease.park()
+            stack[-1].extend(frame)
+        else:
+            for lease in reversed(frame):
+                lease.give_back()
 
 
 def hold_for_call(lease: Lease) -> None:

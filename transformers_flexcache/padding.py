@@ -31,6 +31,13 @@ Design decisions (padded):
   Whisper's `encoder_attention_mask`).
 - Outputs are cut back: every batch-major tensor to its real rows, `sequences` also to the real prompt's columns.
   Attention weights and hidden states keep the padded lengths, and the returned cache holds the padded rows.
+- Candidate decoding (an assistant model, prompt lookup) is padded in its decoder-only prompt only: upstream runs it
+  at batch 1, its shapes change at every step, and an encoder-decoder assistant re-encodes the inputs at their own
+  length, so that padded rows or encoder outputs would only break it.
+- A continuation (generate given a padded cache as `cache`/`past_key_values`) runs at the shapes that cache was
+  filled at: its rows (the real rows first, then the padding rows, which repeat the first real row as before), the
+  same left padding of the prompt (`num_prompt_pad` of the cache) and encoder outputs padded to its
+  `max_encoder_len`. Otherwise its positions would not line up with what the cache holds.
 """
 
 from __future__ import annotations
@@ -43,10 +50,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from transformers import masking_utils
+from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 from transformers.utils import ModelOutput
 
-from .cache import CacheConfig, plan_capacities
+from .cache import CacheConfig, is_flexible_cache, plan_capacities
 from .cache.config import overflow_message
 from .log import get_logger
 from .ownership import pool_of
@@ -193,6 +201,8 @@ class PaddedCall:
     padded_batch_size: int
     num_prompt_pad: int  # columns added on the left of decoder-only `input_ids` (cut from `sequences`)
     padded_prompt_len: int
+    continuation: bool = False  # the call continues a cache given to it, at that cache's shapes
+    candidates: bool = False  # candidate decoding (assistant, prompt lookup): batch and encoder are not padded
 
     def stopping_criteria(self, given: StoppingCriteriaList | None) -> StoppingCriteriaList | None:
         """The caller's stopping criteria, plus one that finishes the padding rows (when there are any)."""
@@ -263,45 +273,79 @@ class PaddedPolicy:
         extra = dict(arguments.pop(var_keyword, {}))
         resolved, model_kwargs = model._prepare_generation_config(arguments.get("generation_config"), **extra)
         config = requested_cache_config(resolved)
-        if config is None or config.shape_policy != self.name or extra.get("cache") is not None:
-            return upstream_generate(*args, **kwargs)  # another cache, or a continuation: run as asked
+        given = given_cache(extra)
+        if given is not None and not (is_flexible_cache(given) and given.shape_policy == self.name):
+            return upstream_generate(*args, **kwargs)  # another cache given: run as asked
+        if given is None and (config is None or config.shape_policy != self.name):
+            return upstream_generate(*args, **kwargs)
         main_param = next(iter(signature.parameters))  # `inputs` (GenerationMixin) or e.g. `input_features`
-        call = self._pad_call(model, resolved, config, arguments, extra, model_kwargs, main_param=main_param)
+        call = self._pad_call(
+            model, resolved, config, arguments, extra, model_kwargs, main_param=main_param, given=given
+        )
         if "stopping_criteria" in signature.parameters:
             arguments["stopping_criteria"] = call.stopping_criteria(arguments.get("stopping_criteria"))
         stack = _active.__dict__.setdefault("calls", [])
         stack.append(call)
+        before = model.flexible_cache
         try:
             output = upstream_generate(**arguments, **extra)
         finally:
             stack.pop()
+        cache = model.flexible_cache  # this thread's last cache of this model: the one this call filled, if any
+        if given is None and cache is not None and cache is not before:
+            cache.num_prompt_pad = call.num_prompt_pad
         return call.cut(output)
 
-    def _planned(self, model, config: CacheConfig, need: dict) -> dict:
-        """The capacities a call needing `need` runs at: what the model's caches of this kind hold, what `config`
-        sets, and the need; refused here (before anything is padded) over a limit with `on_overflow="error"`."""
-        held = pool_of(model).capacities(model._flexible_cache_kind(config))
+    def _planned(self, model, config: CacheConfig, need: dict, *, given=None) -> dict:
+        """The capacities a call needing `need` runs at: what the model's caches of this kind hold (or the cache given
+        to a continuation), what `config` sets, and the need; refused here (before anything is padded) over a limit
+        with `on_overflow="error"`."""
+        held = (
+            given.capacities() if given is not None else pool_of(model).capacities(model._flexible_cache_kind(config))
+        )
         target, exceeded = plan_capacities(held, need, config)
         if exceeded and config.on_overflow == "error":
             raise ValueError(overflow_message(exceeded))
         return target
 
-    def _pad_call(self, model, resolved, config, arguments: dict, extra: dict, model_kwargs: dict, *, main_param):
-        """Pad the batch (and decoder-only prompts) of a generate call in `arguments`/`extra`, in place."""
+    def _planned_prompt_pad(self, model, config: CacheConfig, prompt_len: int) -> int:
+        if model.config.is_encoder_decoder:
+            return 0
+        return self._planned(model, config, {"max_prompt_len": prompt_len})["max_prompt_len"] - prompt_len
+
+    def _pad_call(
+        self, model, resolved, config, arguments: dict, extra: dict, model_kwargs: dict, *, main_param, given=None
+    ):
+        """Pad the batch (and decoder-only prompts) of a generate call in `arguments`/`extra`, in place; a
+        continuation of `given` to the rows and left padding that `given` holds."""
         inputs = arguments.pop(main_param, None)
         inputs_tensor, input_name, _ = model._prepare_model_inputs(inputs, resolved.bos_token_id, dict(model_kwargs))
         batch_size, prompt_len = inputs_tensor.shape[0], inputs_tensor.shape[1]
         expand = max(resolved.num_beams or 1, resolved.num_return_sequences or 1)
-        need = {"max_batch_size": batch_size * expand}
-        if not model.config.is_encoder_decoder:
-            need["max_prompt_len"] = prompt_len
-        planned = self._planned(model, config, need)
-        num_prompt_pad = planned["max_prompt_len"] - prompt_len if "max_prompt_len" in planned else 0
+        # Upstream's candidate decoding (assistant, prompt lookup) runs a batch of one, and its candidates change the
+        # shapes at every step anyway: padding rows would make it refuse the call, and an encoder-decoder assistant
+        # encodes the inputs again, at their own length, but would get the padded encoder mask.
+        candidates = (
+            resolved.get_generation_mode(arguments.get("assistant_model")) == GenerationMode.ASSISTED_GENERATION
+        )
+        if given is not None:
+            padded_batch_size, num_prompt_pad = given.batch_size // expand, given.num_prompt_pad
+        elif candidates:
+            padded_batch_size, num_prompt_pad = batch_size, self._planned_prompt_pad(model, config, prompt_len)
+        else:
+            need = {"max_batch_size": batch_size * expand}
+            if not model.config.is_encoder_decoder:
+                need["max_prompt_len"] = prompt_len
+            planned = self._planned(model, config, need)
+            padded_batch_size = planned["max_batch_size"] // expand
+            num_prompt_pad = planned["max_prompt_len"] - prompt_len if "max_prompt_len" in planned else 0
         call = PaddedCall(
             batch_size=batch_size,
-            padded_batch_size=max(batch_size, planned["max_batch_size"] // expand),
+            padded_batch_size=max(batch_size, padded_batch_size),
             num_prompt_pad=num_prompt_pad,
             padded_prompt_len=prompt_len + num_prompt_pad,
+            continuation=given is not None,
+            candidates=candidates,
         )
 
         model_inputs = {key: extra[key] for key in model_kwargs if key in extra}
@@ -334,10 +378,14 @@ class PaddedPolicy:
         padded prompt length is what a decoder-only call needs beyond its kwargs (the cache holds it)."""
         if not model.config.is_encoder_decoder:
             calls = getattr(_active, "calls", None)
-            return {"max_prompt_len": calls[-1].padded_prompt_len} if calls else {}
-        if model_kwargs.get("encoder_outputs") is not None:
+            if not calls or calls[-1].continuation:  # a continuation keeps the prompt shape of its cache
+                return {}
+            return {"max_prompt_len": calls[-1].padded_prompt_len}
+        calls = getattr(_active, "calls", None)
+        if model_kwargs.get("encoder_outputs") is not None and not (calls and calls[-1].candidates):
             encoder_len = model_kwargs["encoder_outputs"][0].shape[1]
-            planned = self._planned(model, config, {"max_encoder_len": encoder_len})
+            given = given_cache(model_kwargs)
+            planned = self._planned(model, config, {"max_encoder_len": encoder_len}, given=given)
             pad_encoder_outputs(model_kwargs, planned["max_encoder_len"], mask_key=model._flex_encoder_mask_key)
         return {}
 
@@ -345,11 +393,21 @@ class PaddedPolicy:
 POLICIES = {policy.name: policy for policy in (ExactPolicy(), PaddedPolicy())}
 
 
+def given_cache(kwargs: dict):
+    """The cache a generate call was given (`cache`, or its deprecated name `past_key_values`), or None."""
+    given = kwargs.get("cache")
+    return given if given is not None else kwargs.get("past_key_values")
+
+
 def policy_for(model, args: tuple, kwargs: dict, *, config: CacheConfig | None = None):
-    """The shape policy of a call: from `config` when it is known, else from a cheap look at every `cache_config`
-    in reach of the call (its kwargs, its `generation_config`, the model's), which `PaddedPolicy.generate` resolves."""
+    """The shape policy of a call: from `config` when it is known, else that of a flexible cache given to the call (a
+    continuation), else from a cheap look at every `cache_config` in reach of the call (its kwargs, its
+    `generation_config`, the model's), which `PaddedPolicy.generate` resolves."""
     if config is not None:
         return POLICIES[config.shape_policy]
+    given = given_cache(kwargs)
+    if is_flexible_cache(given):
+        return POLICIES[given.shape_policy]
     generation_config = kwargs.get("generation_config", args[1] if len(args) > 1 else None)
     for source in (
         kwargs.get("cache_config"),

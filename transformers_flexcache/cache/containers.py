@@ -10,9 +10,9 @@ Design decisions:
 - Capacity is decided here and nowhere else. `reserve(need, config=...)` is how a caller (generate) states what a
   call needs: it raises before anything changes (`on_overflow="error"`: a capacity given in the config is a limit
   even when the storage is larger), or grows once to what the call needs (`"grow"`, with a warning naming the
-  capacity to preset). Growth inside `update` (a cache used without `reserve`, e.g. a continuation by hand) is
-  geometric: the length at least doubles, so a token-by-token continuation reallocates a logarithmic number of times.
-  Storage never shrinks.
+  capacity to preset). A continuation (`reserve(..., geometric=True)`: generate given a returned cache) and growth
+  inside `update` (a cache used without `reserve`) are geometric: the length at least doubles, so a conversation
+  continued turn by turn, or token by token, reallocates a logarithmic number of times. Storage never shrinks.
 - A cache object can be superseded: `renewed()` returns a new cache object over the same storage (a pool hands one to
   each generate call) and the old object is marked stale with the reason. Any later use of a stale object raises a
   `ValueError` that says what overwrote its storage and how to keep a cache (`detach()`), instead of reading someone
@@ -75,6 +75,15 @@ def plan_capacities(
     return target, exceeded
 
 
+def with_headroom(target: Mapping[str, int], held: Mapping[str, int], name: str, config: CacheConfig) -> dict:
+    """`target` with capacity `name` at least twice what is `held`, when it grows at all and `config` lets it grow
+    (`on_overflow="grow"`): geometric growth, a logarithmic number of reallocations for a length that keeps growing."""
+    target = dict(target)
+    if config.on_overflow == "grow" and target.get(name, 0) > held.get(name, 0) > 0:
+        target[name] = max(target[name], 2 * held[name])
+    return target
+
+
 class FlexibleStaticCache(Cache):
     """A static self-attention cache allocated once at `max_batch_size x max_cache_len`, serving any smaller shape.
 
@@ -119,6 +128,9 @@ class FlexibleStaticCache(Cache):
     _owner = None  # the pool that holds this cache (see `ownership.py`), or None
     # A shape, not storage: with the padded policy, decoder-only prompts are left-padded to it. 0: not set yet.
     max_prompt_len = 0
+    # Padded policy: the masked columns before the real prompt of the call that filled this cache. A continuation
+    # from it is left-padded by as many, so that its positions line up with what the cache holds.
+    num_prompt_pad = 0
 
     def __init__(
         self,
@@ -254,21 +266,29 @@ class FlexibleStaticCache(Cache):
         """Data pointers of every storage tensor: equal across calls exactly when no reallocation happened."""
         return [tensor.data_ptr() for layer in self.layers for tensor in layer.storages()]
 
-    def reserve(self, need: Mapping[str, int], *, config: CacheConfig | None = None) -> None:
+    def reserve(self, need: Mapping[str, int], *, config: CacheConfig | None = None, geometric: bool = False) -> None:
         """Make room for a call that needs `need` (`max_batch_size`, `max_cache_len`: rows and positions it writes).
 
         With `config.on_overflow="error"` (or the cache's own `on_overflow` when no config is given), a need over a
         limit raises before anything changes; the limits also hold for the `update`s of the call. Otherwise the storage
         grows once to what the call needs (and to any larger capacity `config` sets), keeping its live content.
 
+        Args:
+            geometric (`bool`, *optional*, defaults to `False`): a length that must grow grows to at least twice what
+                is held. For a continuation: each turn needs a little more than the last, and growing to exactly that
+                would reallocate at every turn.
+
         Raises:
             ValueError: with `on_overflow="error"`, naming each value, its limit and the `cache_config` that fits.
         """
         self._check_live()
         config = config if config is not None else CacheConfig(on_overflow=self.on_overflow)
-        target, exceeded = plan_capacities(self.capacities(), need, config)
+        held = self.capacities()
+        target, exceeded = plan_capacities(held, need, config)
         if exceeded and config.on_overflow == "error":
             raise ValueError(overflow_message(exceeded))
+        if geometric:
+            target = with_headroom(target, held, self.length_name, config)
         if exceeded:
             logger.warning("%s grows (one reallocation): %s", type(self).__name__, overflow_message(exceeded))
         self._apply_reservation(target, config)
@@ -814,18 +834,21 @@ class FlexibleEncoderDecoderCache(EncoderDecoderCache):
     def data_ptrs(self) -> list[int]:
         return self.self_attention_cache.data_ptrs() + self.cross_attention_cache.data_ptrs()
 
-    def reserve(self, need: Mapping[str, int], *, config: CacheConfig | None = None) -> None:
+    def reserve(self, need: Mapping[str, int], *, config: CacheConfig | None = None, geometric: bool = False) -> None:
         """Make room for a call in both caches (`max_batch_size`, `max_cache_len`, `max_encoder_len`): both are
-        checked before either changes. See `FlexibleStaticCache.reserve`.
+        checked before either changes. See `FlexibleStaticCache.reserve` (`geometric` applies to the decoder length).
 
         Raises:
             ValueError: with `on_overflow="error"`, naming each value, its limit and the `cache_config` that fits.
         """
         self._check_live()
         config = config if config is not None else CacheConfig(on_overflow=self.on_overflow)
-        target, exceeded = plan_capacities(self.capacities(), need, config)
+        held = self.capacities()
+        target, exceeded = plan_capacities(held, need, config)
         if exceeded and config.on_overflow == "error":
             raise ValueError(overflow_message(exceeded))
+        if geometric:
+            target = with_headroom(target, held, self.self_attention_cache.length_name, config)
         if exceeded:
             logger.warning("%s grows (one reallocation): %s", type(self).__name__, overflow_message(exceeded))
         self.self_attention_cache._apply_reservation(target, config)

@@ -668,3 +668,22 @@ def test_candidate_decoding_with_the_padded_policy_equals_dynamic_cache(case, ca
         kwargs = {"assistant_model": case.build(seed=1)[1]}
     expected, actual = generate_both(upstream, flex, inputs, cache_config=config, max_new_tokens=8, **kwargs)
     assert_same_generation(expected, actual, atol=case.padded_score_atol)
+
+
+def test_a_stale_cache_object_does_not_keep_storage_alive_after_a_growth_and_a_release():
+    import gc
+    import weakref
+
+    _, flex = LLAMA.build()
+    generator = torch.Generator().manual_seed(90)
+    small = LLAMA.make_inputs(1, 4, generator)
+    kept = flex.generate(
+        **small, max_new_tokens=2, cache_implementation="flexible_static", return_dict_in_generate=True
+    )
+    before_growth = [weakref.ref(tensor) for tensor in kept.cache.layers[0].storages()]
+    flex.generate(**LLAMA.make_inputs(3, 9, generator), max_new_tokens=4, cache_implementation="flexible_static")
+    assert kept.cache.is_stale and kept.cache.nbytes == 0
+    gc.collect()
+    assert all(ref() is None for ref in before_growth), "the stale object kept the storage the growth replaced"
+    assert transformers_flexcache.release(flex) > 0
+    assert transformers_flexcache.held_nbytes(flex) == {}

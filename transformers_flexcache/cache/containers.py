@@ -359,8 +359,13 @@ class FlexibleStaticCache(Cache):
         return cache
 
     def mark_stale(self, reason: str) -> None:
-        """From now on, any use of this object raises `ValueError(reason)`."""
+        """From now on, any use of this object raises `ValueError(reason)`.
+
+        The object also lets go of its layers: storage that a later growth or `release` drops is then freed even while
+        a caller still holds this object.
+        """
         self._stale = reason
+        self.layers = []
 
     @property
     def is_stale(self) -> bool:

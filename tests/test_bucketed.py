@@ -13,7 +13,7 @@ from transformers import CompileConfig
 
 from tests.helpers import assert_same_generation, generate_both
 from tests.model_cases import LLAMA, MODEL_CASES, T5
-from transformers_flexcache import compile_config_for_cpu, warmup
+from transformers_flexcache import warmup
 from transformers_flexcache.cache import CacheConfig
 from transformers_flexcache.padding import POLICIES
 
@@ -287,11 +287,3 @@ def test_configured_buckets_above_the_capacity_are_not_used_and_survive_a_round_
 def test_bad_buckets_are_refused_with_the_value_and_the_fix(cache_config, message):
     with pytest.raises(ValueError, match=message):
         CacheConfig.parse(cache_config)
-
-
-def test_compile_config_for_cpu_freezes_weights_without_dynamic_shapes_and_compiles_on_cpu():
-    config = compile_config_for_cpu()
-    assert config.backend == "inductor" and config.dynamic is False and config.fullgraph is True
-    assert config.options["freezing"] is True and config.mode is None
-    assert config._compile_all_devices is True
-    assert compile_config_for_cpu(cpp_wrapper=True).options == {"freezing": True, "cpp_wrapper": True}

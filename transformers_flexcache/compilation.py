@@ -1,4 +1,4 @@
-"""The compiled path: `compile_config_for_cpu()` for a fast decode step on CPU, and `warmup()` to compile before serving.
+"""The compiled path: `compile_config_for_cpu()` for a fast decode step on CPU; `warmup()` compiles before serving.
 
 Design decisions:
 - One option, in upstream's own terms: `compile_config_for_cpu()` returns a `transformers.CompileConfig`, which
@@ -9,23 +9,33 @@ Design decisions:
   folded away) and `dynamic=False` (a graph per shape, which the fixed-shape policies bound; a dynamic graph would
   give up the static sizes that make the kernels fast). `fullgraph=True`: a graph break would be a silent slow path.
   `_compile_all_devices`: upstream's generate compiles on accelerators only unless told.
-- Freezing needs gradients off while compiling, which upstream's `generate` guarantees (`torch.no_grad`). What it
-  costs: weights changed after the first compiled call are not seen (the graph holds its own constants), and the
-  prepacked copies take memory beside the model's parameters.
+- Freezing needs gradients off while compiling, which upstream's `generate` guarantees (`torch.no_grad`), and it must
+  be on while dynamo *traces*: dynamo decides then whether parameters become graph constants, reading inductor's
+  global `freezing` (torch==2.13.0: `torch._dynamo.utils.is_parameter_freezing`), and `torch.compile(options=...)`
+  only reaches inductor afterwards. So `options={"freezing": True}` alone is silently ignored (measured: the graph
+  kept `aten.mm` on parameter inputs). `compile_settings` sets it for the duration of each flexible fixed-shape
+  `generate` call whose `compile_config` asks for it (`PaddedPolicy.generate`), and puts the previous value back.
+  Graphs keep what they were compiled with, so later calls reuse them. What freezing costs: weights changed after a
+  graph was compiled are not seen by it (the graph holds its own constants), and the prepacked copies take memory
+  beside the model's parameters.
 - `warmup()` runs one short call per shape of `PaddedPolicy.call_shapes`, so that every graph the shape policy can
-  need is compiled before the first request (padded: one shape; bucketed: one per combination of buckets).
+  need is compiled (and, under `mode="reduce-overhead"`, recorded as a CUDA graph) before the first request
+  (padded: one shape; bucketed: one per combination of buckets).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from transformers import CompileConfig
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
 from .cache import CacheConfig
-from .padding import POLICIES, CallShape
 from .request import FLEXIBLE_STATIC
 
+# Forwards of each warm-up call: the first, one decode step that compiles, one that records CUDA graphs.
+WARMUP_FORWARDS = 3
 # Inductor settings of `compile_config_for_cpu`, each measured (docs/performance.md, "Which inductor settings").
 CPU_INDUCTOR_OPTIONS = {"freezing": True}
 
@@ -62,6 +72,26 @@ def compile_config_for_cpu(*, fullgraph: bool = True, **options) -> CompileConfi
     return config
 
 
+# Inductor settings that dynamo reads while tracing, so that `torch.compile(options=...)` comes too late for them.
+TRACE_TIME_OPTIONS = ("freezing",)
+
+
+@contextlib.contextmanager
+def compile_settings(compile_config: CompileConfig | None):
+    """Within this context, the inductor settings of `compile_config.options` that dynamo reads while tracing
+    (`TRACE_TIME_OPTIONS`) are in force, as the config asks; the previous values are restored afterwards.
+
+    It patches a global of inductor for the duration: compile (`warmup()`) before calls run in several threads.
+    """
+    options = getattr(compile_config, "options", None) or {}
+    patch = {name: options[name] for name in TRACE_TIME_OPTIONS if name in options}
+    if not patch:
+        yield
+        return
+    with torch._inductor.config.patch(patch):
+        yield
+
+
 class StopAfterSteps(StoppingCriteria):
     """Stops every row after `num_steps` decoding steps: a warm-up call needs the graphs, not the tokens."""
 
@@ -85,13 +115,14 @@ def warmup(
     cache_config,
     compile_config: CompileConfig | None = None,
     **generate_kwargs,
-) -> list[CallShape]:
+) -> list:
     """Compile every graph that calls under a fixed-shape `cache_config` can need, before serving any of them.
 
     Runs one `generate` call per shape of the shape policy (`PaddedPolicy.call_shapes`: every rows bucket, prompt or
     encoder length bucket and decoder length bucket that calls of up to `max_new_tokens` new tokens reach), each
-    stopped after two decoding steps: the first forward (eager, or a compiled prefill) and one decode step compile
-    what that shape needs. Afterwards no call within the capacities compiles anything.
+    stopped after three forwards: the first (eager, or a compiled prefill) and two decode steps, the first of which
+    compiles the shape's graph and the second of which records its CUDA graph (`mode="reduce-overhead"` runs a new
+    graph once before recording it). Afterwards no call within the capacities compiles or records anything.
 
     Args:
         model: a model with `flexible_static` in its generate (an override model).
@@ -105,16 +136,21 @@ def warmup(
             compiled already.
         **generate_kwargs: other arguments the served calls pass (`num_beams` changes the rows per input).
 
+    Run it as the served calls run: dynamo guards on the grad mode, so served calls under `torch.inference_mode()`
+    need a warmup under it too (else they compile again).
+
     Returns:
-        `list[CallShape]`: the shapes run. Generate's `compile_config` compiles one decode graph per distinct
-        `(batch_size, cache_len)` (decoder-only) or `(batch_size, length, cache_len)` (encoder-decoder); a compiled
-        `model.forward` also one prefill graph per shape.
+        `list[CallShape]`: the shapes run (`transformers_flexcache.padding.CallShape`). Generate's `compile_config`
+        compiles one decode graph per distinct `(batch_size, cache_len)` (decoder-only) or `(batch_size, length,
+        cache_len)` (encoder-decoder); a compiled `model.forward` also one prefill graph per shape.
 
     Raises:
         ValueError: the policy is `"exact"`, a capacity is not set, `max_new_tokens` does not fit, or there are more
             shapes than dynamo keeps graphs of one function (`torch._dynamo.config.recompile_limit`): the others would
             run eagerly, without a word.
     """
+    from .padding import POLICIES  # padding.py imports this module
+
     config = CacheConfig.parse(cache_config)
     policy = POLICIES[config.shape_policy]
     if not policy.fixed_shapes:
@@ -136,7 +172,9 @@ def warmup(
             'first, or list fewer sizes in cache_config["buckets"]'
         )
     for shape in shapes:
-        stopping = StoppingCriteriaList([*(generate_kwargs.get("stopping_criteria") or []), StopAfterSteps(2)])
+        stopping = StoppingCriteriaList(
+            [*(generate_kwargs.get("stopping_criteria") or []), StopAfterSteps(WARMUP_FORWARDS)]
+        )
         model.generate(
             **make_inputs(shape.batch_size, shape.length),
             **{**generate_kwargs, "stopping_criteria": stopping},
@@ -144,6 +182,6 @@ def warmup(
             cache_config=config.to_dict(),
             compile_config=compile_config,
             max_new_tokens=shape.max_new_tokens,
-            min_new_tokens=min(2, shape.max_new_tokens),
+            min_new_tokens=min(WARMUP_FORWARDS, shape.max_new_tokens),
         )
     return shapes

@@ -50,6 +50,7 @@ from transformers.utils import ModelOutput
 
 from .cache import CacheConfig, plan_capacities
 from .cache.config import overflow_message
+from .compilation import compile_settings
 from .log import get_logger
 from .ownership import pool_of
 from .request import cache_config_of, requested_cache_config
@@ -301,7 +302,8 @@ class PaddedPolicy:
         if missing:
             example = ", ".join(f'"{name}": ...' for name in missing)
             raise ValueError(
-                f"the shapes of {self.name!r} calls derive from the capacities: set {missing} in cache_config={{{example}}}"
+                f"the shapes of {self.name!r} calls derive from the capacities: set {missing} in "
+                f"cache_config={{{example}}}"
             )
         capacities = {name: config.limit(name) for name in names}
         # A decoder-only call writes its (padded) prompt and `new - 1` generated tokens; an encoder-decoder call its
@@ -348,7 +350,9 @@ class PaddedPolicy:
         stack = _active.__dict__.setdefault("calls", [])
         stack.append(call)
         try:
-            output = upstream_generate(**arguments, **extra)
+            # Settings that upstream's compile_config cannot pass on by itself (freezing), for compiles in this call.
+            with compile_settings(resolved.compile_config):
+                output = upstream_generate(**arguments, **extra)
         finally:
             stack.pop()
         return call.cut(output)
@@ -466,10 +470,10 @@ class FixedShapeMasksMixin:
     def create_masks_for_generate(self, **mask_kwargs):
         """The hook `GenerationMixin.prepare_inputs_for_generation` (transformers==5.24.0) calls for compileable caches.
 
-        Differences from upstream's (the model's own, else `masking_utils.create_masks_for_generate`): with a
-        fixed-shape flexible cache (`"padded"`, `"bucketed"`), a full-attention mask that SDPA would drop in favour of
-        `is_causal` (a prompt without padding) is built anyway. Otherwise whether a prefill gets a mask would depend on the values of the call's attention
-        mask, and a compiled prefill would compile once with a mask and once without.
+        Differences from upstream's (the model's own, else `masking_utils.create_masks_for_generate`): with a padded
+        or bucketed flexible cache, a full-attention mask that SDPA would drop in favour of `is_causal` (a prompt
+        without padding) is built anyway. Otherwise whether a prefill gets a mask would depend on the values of the
+        call's attention mask, and a compiled prefill would compile once with a mask and once without.
         """
         upstream = getattr(super(), "create_masks_for_generate", masking_utils.create_masks_for_generate)
         masks = upstream(**mask_kwargs)

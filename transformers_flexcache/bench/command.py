@@ -39,7 +39,7 @@ import torch
 from transformers import CompileConfig, LogitsProcessorList
 from transformers.utils import logging as hf_logging
 
-from ..compilation import compile_config_for_cpu, warmup
+from ..compilation import compile_config_for_cpu, compile_settings, warmup
 from ..request import FLEXIBLE_STATIC
 from .measure import (
     CacheStorageTracker,
@@ -208,16 +208,19 @@ class TorchRunner:
         try:
             rss.start()
             start = time.perf_counter()
-            out = self.model.generate(
-                **inputs,
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-                do_sample=False,
-                num_beams=1,
-                return_dict_in_generate=True,
-                logits_processor=LogitsProcessorList([timer]),
-                **self.generate_kwargs,
-            )
+            # Upstream's generate (the static strategies) does not apply freezing from compile_config.options by
+            # itself (see compile_settings); ours does. Applied here to every strategy, so that all compile alike.
+            with compile_settings(self.generate_kwargs.get("compile_config")):
+                out = self.model.generate(
+                    **inputs,
+                    max_new_tokens=new_tokens,
+                    min_new_tokens=new_tokens,
+                    do_sample=False,
+                    num_beams=1,
+                    return_dict_in_generate=True,
+                    logits_processor=LogitsProcessorList([timer]),
+                    **self.generate_kwargs,
+                )
             _synchronize(self.device)
             wall_s = time.perf_counter() - start
             rss.sample()

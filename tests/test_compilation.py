@@ -76,3 +76,45 @@ def test_freezing_asked_in_compile_config_options_turns_parameters_into_constant
     # every weight of the tiny Llama that a decode step reads is a graph constant, none a graph input
     assert seen[0]["constants"] >= sum(1 for name, _ in flex.named_parameters() if "embed_tokens" not in name)
     assert torch._inductor.config.freezing is False  # put back after the call
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("grad_mode", ["no_grad (generate's own)", "inference_mode"])
+def test_frozen_inductor_bucketed_stream_after_warmup_gives_dynamic_cache_tokens(grad_mode):
+    # Real inductor with frozen, prepacked weights (a minute or two of compiling): scores within float tolerance.
+    from tests.model_cases import T5
+    from transformers_flexcache import warmup
+
+    upstream, flex = T5.build("sdpa")
+    compile_config = compile_config_for_cpu()
+    cache_config = {
+        "shape_policy": "bucketed",
+        "max_batch_size": 4,
+        "max_cache_len": 8,
+        "max_encoder_len": 12,
+        "buckets": {"max_batch_size": [2], "max_encoder_len": [6]},
+    }
+    generator = torch.Generator().manual_seed(0)
+    mode = torch.inference_mode() if grad_mode == "inference_mode" else torch.no_grad()
+    with mode:
+        warmup(
+            flex,
+            lambda b, n: T5.make_inputs(b, n, generator),
+            max_new_tokens=4,
+            cache_config=cache_config,
+            compile_config=compile_config,
+        )
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        for batch_size, length in [(3, 10), (1, 4), (4, 12), (2, 5)]:
+            inputs = T5.make_inputs(batch_size, length, generator)
+            expected, actual = generate_both(
+                upstream,
+                flex,
+                inputs,
+                cache_config=cache_config,
+                max_new_tokens=4,
+                do_sample=False,
+                compile_config=compile_config,
+            )
+            assert_same_generation(expected, actual, atol=1e-4)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs

@@ -260,7 +260,8 @@ def format_header(machine: dict, args) -> str:
     bandwidth = machine.get("read_bandwidth_bytes_per_s")
     return (
         f"transformers-flexcache bench: {mode}\n"
-        f"{machine['cpu']}, {machine['threads']} thread(s) of {machine['cpu_count']} CPUs, {args.device}, {args.dtype}\n"
+        f"{machine['cpu']}, {machine['threads']} thread(s) of {machine['cpu_count']} CPUs, "
+        f"{args.device}, {args.dtype}\n"
         f"torch {machine['torch']}, transformers {machine['transformers']}; load average {_load(machine)}"
         + (f"; read bandwidth {bandwidth / 1e9:.1f} GB/s" if bandwidth else "")
     )
@@ -312,7 +313,7 @@ def format_footer(report: dict) -> str:
         )
     else:
         differing = [
-            f"{model_name} {name} (calls {[i for i, call in enumerate(figures['calls']) if not call['outputs_equal']]})"
+            f"{model_name} {name} (calls {[i for i, c in enumerate(figures['calls']) if not c['outputs_equal']]})"
             for model_name, model in report["models"].items()
             for name, figures in model["strategies"].items()
             if not figures["outputs_equal"]

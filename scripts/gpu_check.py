@@ -1,6 +1,6 @@
 """GPU checks: CUDA graphs over a stream of generate calls of new shapes, and storage placed per layer across devices.
 
-On one CUDA device, for a seeded random model (small real-ish configs below):
+On one CUDA device, for a seeded random model (the benchmark's real-sized configs: t5-small, a ~100M Llama):
 1. `flexible padded` (`cache_implementation="flexible_static"`, `shape_policy="padded"`): over the stream, the decode
    step compiles once, CUDA graphs are recorded during the first call only (one capture set, reused by every later
    batch and length) and never skipped, and the tokens equal those of upstream's DynamicCache run eagerly on the same
@@ -9,6 +9,10 @@ On one CUDA device, for a seeded random model (small real-ish configs below):
    recordings over the same stream (it builds a new cache, at new addresses, per call).
 3. Decode-step latency of both, warm, on the largest shape: (time of N tokens - time of 1 token) / (N - 1), median
    of `--repeats` runs, exactly N tokens per call (`min_new_tokens`).
+4. `flexible bucketed` (`shape_policy="bucketed"`, `check_bucketed`): `warmup()` compiles and records every bucket
+   before the stream; over the stream, nothing more is compiled or recorded and nothing is skipped, with the tokens
+   of the eager DynamicCache; and the decode step of the smallest call against padded mode's (which runs it at
+   `max_batch_size` and the whole capacity).
 
 Placement (`--check placement`), the model loaded with an accelerate `device_map` that splits its decoder layers:
 with two CUDA devices, the first half on cuda:0 and the rest on cuda:1; with one, the first half on cuda:0 and the rest
@@ -36,69 +40,34 @@ import tempfile
 import time
 
 import torch
-from transformers import CompileConfig, LlamaConfig, T5Config
+from transformers import CompileConfig
 
 import transformers_flexcache
+from transformers_flexcache import warmup
+from transformers_flexcache.bench.models import BENCH_MODELS, build_models
 
-# (batch, prompt or encoder length): every call a new shape; `--new-tokens` tokens are generated per call.
+# (batch, prompt or encoder length): every call a new batch and length.
 STREAM = [(8, 24), (2, 9), (5, 17), (1, 30), (7, 12), (3, 21)]
-VOCAB = 2000
-NUM_LAYERS = 4
 
 
-def build_model(model_type: str, seed: int = 0):
-    """A seeded random override model of a small but not toy size (4 layers, hidden 256)."""
-    from model_overrides.llama import FlexLlamaForCausalLM
-    from model_overrides.t5 import FlexT5ForConditionalGeneration
-
-    if model_type == "t5":
-        config = T5Config(
-            vocab_size=VOCAB,
-            d_model=256,
-            d_kv=32,
-            d_ff=1024,
-            num_layers=NUM_LAYERS,
-            num_heads=8,
-            decoder_start_token_id=0,
-        )
-        model_class = FlexT5ForConditionalGeneration
-    elif model_type == "llama":
-        config = LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=256,
-            intermediate_size=688,
-            num_hidden_layers=NUM_LAYERS,
-            num_attention_heads=8,
-            num_key_value_heads=4,
-            pad_token_id=0,
-            bos_token_id=1,
-            eos_token_id=2,
-        )
-        model_class = FlexLlamaForCausalLM
-    else:
-        raise ValueError(f"--model {model_type!r} is not one of ('t5', 'llama')")
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    return model_class(config).eval()
-
-
-def make_inputs(batch_size: int, length: int, generator: torch.Generator, *, padding_side: str) -> dict:
-    """Random tokens with a mask; row 0 is padded to half its length, as a tokenizer would pad a batch."""
-    input_ids = torch.randint(3, VOCAB, (batch_size, length), generator=generator)
-    attention_mask = torch.ones_like(input_ids)
-    if batch_size > 1:
-        pad = slice(0, length // 2) if padding_side == "left" else slice(length - length // 2, length)
-        attention_mask[0, pad] = 0
-        input_ids[0, pad] = 0
-    return {"input_ids": input_ids, "attention_mask": attention_mask}
+def build_model(model_type: str):
+    """The benchmark's real-sized seeded model of `model_type`, as our override (its generate runs DynamicCache
+    unless told otherwise: the eager reference)."""
+    _, flex = build_models(BENCH_MODELS[model_type], quick=False)
+    return flex
 
 
 def capacities(model, new_tokens: int) -> dict:
-    max_batch = max(batch for batch, _ in STREAM)
-    max_len = max(length for _, length in STREAM)
+    """Capacities that fit every call of STREAM with `new_tokens` new tokens."""
+    max_batch, max_len = max(b for b, _ in STREAM), max(n for _, n in STREAM)
     if model.config.is_encoder_decoder:
-        return {"max_batch_size": max_batch, "max_cache_len": new_tokens, "max_encoder_len": max_len}
+        return {"max_batch_size": max_batch, "max_cache_len": new_tokens + 1, "max_encoder_len": max_len}
     return {"max_batch_size": max_batch, "max_cache_len": max_len + new_tokens, "max_prompt_len": max_len}
+
+
+def make_inputs(batch_size: int, length: int, generator: torch.Generator, *, model) -> dict:
+    """Token inputs of `batch_size` rows of up to `length` tokens, padded as tokenizers pad them (bench models)."""
+    return BENCH_MODELS[model.config.model_type].make_inputs(model.config, batch_size, length, generator)
 
 
 @contextlib.contextmanager
@@ -193,11 +162,7 @@ def check(
 ):
     model = build_model(model_type).to(device=device, dtype=dtype)
     generator = torch.Generator().manual_seed(0)
-    padding_side = "right" if model.config.is_encoder_decoder else "left"
-    inputs = [
-        {k: v.to(device) for k, v in make_inputs(b, n, generator, padding_side=padding_side).items()}
-        for b, n in STREAM
-    ]
+    inputs = [{k: v.to(device) for k, v in make_inputs(b, n, generator, model=model).items()} for b, n in STREAM]
     compile_config = CompileConfig(backend=backend, mode="reduce-overhead", fullgraph=True)
     if device.type != "cuda":
         compile_config._compile_all_devices = True  # the CPU smoke run: generate compiles on CPU only when asked to
@@ -228,6 +193,115 @@ def check(
     return {"model": model_type, "device": str(device), "dtype": str(dtype), "runs": runs, "passed": passed}
 
 
+def check_bucketed(
+    model_type: str,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    new_tokens: int,
+    tokens: int,
+    repeats: int,
+    backend: str = "inductor",
+):
+    """The bucketed policy under CUDA graphs: `warmup()` compiles and records every bucket; the stream then compiles
+    and records nothing more, skips nothing, and gives the eager DynamicCache's tokens. Also the warm decode step of
+    the smallest call of the stream, bucketed against padded."""
+    model = build_model(model_type).to(device=device, dtype=dtype)
+    generator = torch.Generator().manual_seed(0)
+    inputs = [{k: v.to(device) for k, v in make_inputs(b, n, generator, model=model).items()} for b, n in STREAM]
+    compile_config = CompileConfig(backend=backend, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    if device.type != "cuda":
+        compile_config._compile_all_devices = True
+    cache_len = max(capacities(model, tokens)["max_cache_len"], capacities(model, new_tokens)["max_cache_len"])
+    # Two buckets per shape, so that warmup stays short on the GPU's time: rows 2 and 8, lengths 12 and the longest,
+    # and one decoder length for the stream (the latency calls below, longer, compile their own).
+    length_name = "max_encoder_len" if model.config.is_encoder_decoder else "max_prompt_len"
+    buckets = {
+        "max_batch_size": [2],
+        length_name: [12],
+        "max_cache_len": [capacities(model, new_tokens)["max_cache_len"]],
+    }
+    cache_config = {
+        **capacities(model, new_tokens),
+        "max_cache_len": cache_len,
+        "shape_policy": "bucketed",
+        "buckets": buckets,
+    }
+    bucketed = {
+        "cache_implementation": "flexible_static",
+        "cache_config": cache_config,
+        "compile_config": compile_config,
+    }
+
+    reference = run_stream(model, inputs, new_tokens=new_tokens)["sequences"]
+    fresh_compiler()
+    counters = torch._dynamo.utils.counters
+    with counting_cudagraph_recordings() as count:
+        start = time.perf_counter()
+        shapes = warmup(
+            model,
+            lambda b, n: {k: v.to(device) for k, v in make_inputs(b, n, generator, model=model).items()},
+            max_new_tokens=max(new_tokens, tokens),
+            cache_config=cache_config,
+            compile_config=compile_config,
+        )
+        synchronize(device)
+        warmup_s = time.perf_counter() - start
+        warm = {"graphs": counters["stats"]["unique_graphs"], "recordings": count["recordings"]}
+        sequences, calls_s = [], []
+        for call_inputs in inputs:
+            synchronize(device)
+            start = time.perf_counter()
+            with torch.inference_mode():
+                sequences.append(model.generate(**call_inputs, max_new_tokens=new_tokens, do_sample=False, **bucketed))
+            synchronize(device)
+            calls_s.append(time.perf_counter() - start)
+        run = {
+            "shapes": len(shapes),
+            "warmup_s": warmup_s,
+            "graphs_after_warmup": warm["graphs"],
+            "graphs": counters["stats"]["unique_graphs"],
+            "cudagraph_recordings_after_warmup": warm["recordings"],
+            "cudagraph_recordings": count["recordings"],
+            "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
+            "stream_s": sum(calls_s),
+            "calls_s": calls_s,
+            "tokens_equal": all(torch.equal(a, b) for a, b in zip(reference, sequences, strict=True)),
+        }
+    smallest = min(inputs, key=lambda call: call["input_ids"].numel())
+    padded_config = {key: value for key, value in cache_config.items() if key != "buckets"}
+    padded = {**bucketed, "cache_config": {**padded_config, "shape_policy": "padded"}}
+    for name, kwargs in (("bucketed", bucketed), ("padded", padded)):
+        run[f"smallest_call_decode_step_ms_{name}"] = 1e3 * decode_step_latency(
+            model, smallest, tokens=tokens, repeats=repeats, **kwargs
+        )
+    recorded = run["cudagraph_recordings_after_warmup"] > 0 if device.type == "cuda" else True
+    passed = (
+        run["graphs"] == run["graphs_after_warmup"] <= run["shapes"]
+        and run["cudagraph_recordings"] == run["cudagraph_recordings_after_warmup"]
+        and recorded
+        and run["cudagraph_skips"] == 0
+        and run["tokens_equal"]
+    )
+    return {"model": model_type, "device": str(device), "dtype": str(dtype), "bucketed": run, "passed": passed}
+
+
+def format_bucketed_table(result: dict) -> str:
+    run = result["bucketed"]
+    return "\n".join(
+        [
+            f"bucketed: model={result['model']} shapes={run['shapes']} warmup {run['warmup_s']:.1f} s",
+            f"{'':<16} {'graphs':>6} {'recordings':>10} {'skips':>5} {'stream s':>9} {'tokens=eager':>12}",
+            f"{'after warmup':<16} {run['graphs_after_warmup']:>6} {run['cudagraph_recordings_after_warmup']:>10}",
+            f"{'after stream':<16} {run['graphs']:>6} {run['cudagraph_recordings']:>10} {run['cudagraph_skips']:>5} "
+            f"{run['stream_s']:>9.2f} {'yes' if run['tokens_equal'] else 'NO':>12}",
+            f"smallest call, decode step ms: bucketed {run['smallest_call_decode_step_ms_bucketed']:.3f}, "
+            f"padded {run['smallest_call_decode_step_ms_padded']:.3f}",
+            "PASS" if result["passed"] else "FAIL: after warmup the stream should compile, record and skip nothing",
+        ]
+    )
+
+
 def format_table(result: dict) -> str:
     lines = [
         f"model={result['model']} device={result['device']} dtype={result['dtype']} calls={len(STREAM)}",
@@ -253,16 +327,16 @@ def split_devices() -> tuple[object, object, str]:
     return "cpu", "disk", "CPU only: half the layers on the CPU, the rest offloaded to disk (run on the CPU)"
 
 
-def split_device_map(model_type: str, first, second) -> dict:
-    """A device_map with decoder layers [0, NUM_LAYERS / 2) on `first` and the rest on `second`. Tied embeddings
-    (T5's) stay on one real device: upstream's loader cannot compare tied weights offloaded to disk."""
-    half = NUM_LAYERS // 2
+def split_device_map(model_type: str, num_layers: int, first, second) -> dict:
+    """A device_map with decoder layers [0, num_layers / 2) on `first` and the rest on `second`. Embeddings stay on
+    one real device: upstream's loader cannot compare tied weights offloaded to disk."""
+    half = num_layers // 2
     home = first if first != "disk" else "cpu"
     last = second if second not in ("cpu", "disk") else home  # lm_head runs where the last layer's output arrives
     if model_type == "llama":
-        layers = {f"model.layers.{i}": first if i < half else second for i in range(NUM_LAYERS)}
+        layers = {f"model.layers.{i}": first if i < half else second for i in range(num_layers)}
         return {"model.embed_tokens": home, **layers, "model.norm": last, "model.rotary_emb": home, "lm_head": last}
-    layers = {f"decoder.block.{i}": first if i < half else second for i in range(NUM_LAYERS)}
+    layers = {f"decoder.block.{i}": first if i < half else second for i in range(num_layers)}
     return {
         "shared": home,
         "encoder": home,
@@ -293,21 +367,20 @@ def record_key_devices(model) -> dict[int, torch.device]:
 def check_placement(model_type: str, *, new_tokens: int) -> dict:
     """The flexible cache on a model split by a device_map: same tokens as DynamicCache, storage beside each layer."""
     first, second, split = split_devices()
-    device_map = split_device_map(model_type, first, second)
     with tempfile.TemporaryDirectory() as folder:
-        build_model(model_type).save_pretrained(folder)
-        model = (
-            type(build_model(model_type))
-            .from_pretrained(folder, device_map=device_map, offload_folder=f"{folder}/offload")
-            .eval()
+        built = build_model(model_type)
+        built.save_pretrained(folder)
+        num_layers = (
+            built.config.num_decoder_layers if built.config.is_encoder_decoder else built.config.num_hidden_layers
         )
+        device_map = split_device_map(model_type, num_layers, first, second)
+        model = type(built).from_pretrained(folder, device_map=device_map, offload_folder=f"{folder}/offload").eval()
         key_devices = record_key_devices(model)
         generator = torch.Generator().manual_seed(0)
-        padding_side = "right" if model.config.is_encoder_decoder else "left"
         config = {**capacities(model, new_tokens), "shape_policy": "exact"}
         calls, pointers, tokens_equal = [], set(), True
         for batch, length in STREAM[:3]:
-            inputs = make_inputs(batch, length, generator, padding_side=padding_side)
+            inputs = make_inputs(batch, length, generator, model=model)
             kwargs = {"max_new_tokens": new_tokens, "do_sample": False}
             with torch.inference_mode():
                 expected = model.generate(**inputs, **kwargs)
@@ -372,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="inductor", help="torch.compile backend (CUDA graphs need inductor)")
     parser.add_argument("--allow-cpu", action="store_true", help="smoke-test this script on CPU (no CUDA graphs)")
     args = parser.parse_args(argv)
+    torch._dynamo.config.recompile_limit = 64  # static and padded/bucketed runs of two models compile one function
     if not torch.cuda.is_available() and not args.allow_cpu:
         print(
             "gpu_check needs a CUDA device (torch.cuda.is_available() is False with torch "
@@ -395,6 +469,17 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(format_table(result), flush=True)
             results.append(result)
+            bucketed = check_bucketed(
+                model_type,
+                device=device,
+                dtype=getattr(torch, args.dtype),
+                new_tokens=args.new_tokens,
+                tokens=args.latency_tokens,
+                repeats=args.repeats,
+                backend=args.backend,
+            )
+            print(format_bucketed_table(bucketed), flush=True)
+            results.append(bucketed)
         if args.check in ("placement", "all"):
             result = check_placement(model_type, new_tokens=args.new_tokens)
             print(format_placement(result), flush=True)

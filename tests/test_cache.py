@@ -406,5 +406,5 @@ def test_padded_grow_keeps_the_written_content():
 
 
 def test_unknown_shape_policy_is_refused_with_the_choices():
-    with pytest.raises(ValueError, match=r"shape_policy='fixed' is not one of \('exact', 'padded'\)"):
+    with pytest.raises(ValueError, match=r"shape_policy='fixed' is not one of \('exact', 'padded', 'bucketed'\)"):
         _cache(shape_policy="fixed")

@@ -131,7 +131,7 @@ def _gemma2_config() -> Gemma2Config:
     return config
 
 
-@pytest.mark.parametrize("shape_policy", ["exact", "padded"])
+@pytest.mark.parametrize("shape_policy", ["exact", "padded", "bucketed"])
 def test_gemma2_converted_through_the_generic_route_matches_dynamic_cache_past_the_window(shape_policy):
     config = _gemma2_config()
     torch.manual_seed(0)
@@ -171,3 +171,35 @@ def test_a_window_longer_than_the_cache_keeps_one_prefill_graph_when_sdpa_could_
         )
         assert_same_generation(expected, actual)
     assert counter.frame_count == 2  # the prefill and the decode step
+
+
+def test_bucketed_sliding_layer_attends_over_the_call_bucket_while_no_position_can_leave():
+    # A window of 64 over a cache of 24 positions: the layer is a full-attention one of 24 slots, and a call attends
+    # over its decoder length bucket (prompt bucket + new tokens), as the full-attention layer does, with
+    # DynamicCache's tokens.
+    case = dataclasses.replace(
+        QWEN2,
+        build_config=lambda: zoo._decoder_only_tiny(
+            Qwen2Config, use_sliding_window=True, sliding_window=64, max_window_layers=1
+        ),
+    )
+    upstream, flex = case.build("sdpa")
+    cache_config = {
+        "max_batch_size": 2,
+        "max_cache_len": 24,
+        "max_prompt_len": 8,
+        "shape_policy": "bucketed",
+        "buckets": {"max_cache_len": [8, 16], "max_prompt_len": [4]},
+    }
+    generator = torch.Generator().manual_seed(3)
+    spans = []
+    for batch_size, prompt_len, new_tokens in [(2, 8, 8), (1, 3, 3), (2, 5, 10)]:
+        inputs = case.make_inputs(batch_size, prompt_len, generator)
+        expected, actual = generate_both(
+            upstream, flex, inputs, cache_config=cache_config, max_new_tokens=new_tokens, do_sample=False
+        )
+        assert_same_generation(expected, actual)
+        layers = flex.flexible_cache.layers
+        assert [getattr(layer, "is_sliding", False) for layer in layers] == [False, True]
+        spans.append({layer.get_mask_sizes(1)[0] for layer in layers})
+    assert spans == [{16}, {8}, {24}]

@@ -7,7 +7,8 @@ Package map (details in docs/design.md):
 - `cache/`: the caches (config, layers, containers, placement); they alone decide capacity and growth.
 - `request.py`: how a generate call asks for the flexible cache; `generation.py`: what a call needs, and taking a
   cache for it; `ownership.py`: the pool of caches a model holds, leases, `release`.
-- `padding.py`: the shape policies (what the fixed-shape modes add around `generate`).
+- `padding.py`: the shape policies (what the fixed-shape modes add around `generate`); `compilation.py`: the
+  compiled path (`compile_config_for_cpu()`, `warmup()`).
 - `registry.py`, `modeling.py`, `auto_classes.py`, `saved.py`: registration, override models, saved folders.
 - `export/`: torch.export and ExecuTorch programs; `bench/`: the benchmark (nothing else imports it).
 """
@@ -19,7 +20,13 @@ from .request import FLEXIBLE_STATIC
 __version__ = "0.2.0"
 
 # Loaded on first use (PEP 562), so that importing the package imports no model code.
-_LAZY = {"register": "registry", "unregister": "registry", "convert": "registry"}
+_LAZY = {
+    "register": "registry",
+    "unregister": "registry",
+    "convert": "registry",
+    "compile_config_for_cpu": "compilation",
+    "warmup": "compilation",
+}
 
 __all__ = [
     "FLEXIBLE_STATIC",
@@ -27,11 +34,13 @@ __all__ = [
     "FlexibleCrossAttentionCache",
     "FlexibleEncoderDecoderCache",
     "FlexibleStaticCache",
+    "compile_config_for_cpu",
     "convert",
     "held_nbytes",
     "register",
     "release",
     "unregister",
+    "warmup",
 ]
 
 

@@ -3,6 +3,8 @@
 `policy_for(model, ...)` is the one place that maps `CacheConfig.shape_policy` to behaviour:
 - `"exact"` (`ExactPolicy`): nothing is added; each call runs at its own shapes.
 - `"padded"` (`PaddedPolicy`): every call is padded to the capacities, for `torch.compile` and CUDA graphs.
+- `"bucketed"` (`BucketedPolicy`): every shape is padded to the next of a few buckets (`CacheConfig.buckets_of`), so
+  that a call's cost follows its size while the number of graphs stays bounded and known in advance.
 
 Shape legend: `B` the call's batch, `B_pad` the padded batch (`max_batch_size // max(num_beams,
 num_return_sequences)`), `P` prompt length, `P_pad` = `max_prompt_len`, `L_enc` encoder length, `L_enc_max` =
@@ -56,6 +58,7 @@ from transformers.utils import ModelOutput
 
 from .cache import CacheConfig, is_flexible_cache, plan_capacities
 from .cache.config import overflow_message
+from .compilation import compile_settings
 from .log import get_logger
 from .ownership import pool_of
 from .request import cache_config_of, requested_cache_config
@@ -193,6 +196,21 @@ def pad_encoder_outputs(model_kwargs: dict, max_encoder_len: int, *, mask_key: s
     model_kwargs[mask_key] = mask
 
 
+@dataclass(frozen=True)
+class CallShape:
+    """One shape a fixed-shape policy runs calls at (what `warmup` compiles, one call each).
+
+    `batch_size` inputs (`rows // max(num_beams, num_return_sequences)`), a prompt (decoder-only) or encoder
+    (encoder-decoder) length of `length`, and `max_new_tokens` new tokens, which make attention span `cache_len`
+    decoder positions (the capacity, or a bucket of it).
+    """
+
+    batch_size: int
+    length: int
+    max_new_tokens: int
+    cache_len: int
+
+
 @dataclass
 class PaddedCall:
     """What padding did to one generate call, to undo it on the outputs."""
@@ -251,6 +269,7 @@ class ExactPolicy:
     """`shape_policy="exact"`: each call runs at its own shapes; nothing is added around `generate`."""
 
     name = "exact"
+    fixed_shapes = False  # whether a call's shapes are padded to fixed sizes (and its masks always built)
 
     def generate(self, model, upstream_generate, args: tuple, kwargs: dict):
         return upstream_generate(*args, **kwargs)
@@ -264,6 +283,65 @@ class PaddedPolicy:
     """`shape_policy="padded"`: each call is padded to the capacities, and its outputs cut back (module docstring)."""
 
     name = "padded"
+    fixed_shapes = True
+
+    def padded_size(self, config: CacheConfig, name: str, value: int, planned: dict) -> int:
+        """What a shape `name` of `value` (rows, prompt or encoder length) is padded to: the planned capacity."""
+        return planned[name]
+
+    def sizes(self, config: CacheConfig, name: str, capacity: int) -> tuple[int, ...]:
+        """Every size that shape `name` is padded to under `capacity`: the capacity alone."""
+        return (capacity,)
+
+    def call_shapes(self, model, config: CacheConfig, *, max_new_tokens: int, expand: int = 1) -> list[CallShape]:
+        """Every shape that calls of up to `max_new_tokens` new tokens run at under `config`, as `warmup` runs them.
+
+        Args:
+            model: the model (whether it is an encoder-decoder decides which length is padded).
+            config (`CacheConfig`): must set `max_batch_size`, `max_cache_len`, and `max_encoder_len`
+                (encoder-decoder) or `max_prompt_len` (decoder-only): the shapes derive from them.
+            max_new_tokens (`int`): the most new tokens a call asks for.
+            expand (`int`, *optional*, defaults to 1): rows per input, `max(num_beams, num_return_sequences)`.
+
+        Raises:
+            ValueError: a capacity is not set, or `max_new_tokens` does not fit `max_cache_len`.
+        """
+        length_name = "max_encoder_len" if model.config.is_encoder_decoder else "max_prompt_len"
+        names = ("max_batch_size", "max_cache_len", length_name)
+        missing = [name for name in names if config.limit(name) is None]
+        if missing:
+            example = ", ".join(f'"{name}": ...' for name in missing)
+            raise ValueError(
+                f"the shapes of {self.name!r} calls derive from the capacities: set {missing} in "
+                f"cache_config={{{example}}}"
+            )
+        capacities = {name: config.limit(name) for name in names}
+        # A decoder-only call writes its (padded) prompt and `new - 1` generated tokens; an encoder-decoder call its
+        # decoder start token and `new - 1` generated tokens (upstream's `max_length - 1`).
+        first = capacities["max_prompt_len"] if length_name == "max_prompt_len" else 1
+        if first + max_new_tokens - 1 > capacities["max_cache_len"]:
+            raise ValueError(
+                f"max_new_tokens={max_new_tokens} after a prompt of {first} needs max_cache_len="
+                f"{first + max_new_tokens - 1}, above max_cache_len={capacities['max_cache_len']}; pass "
+                f'cache_config={{"max_cache_len": {first + max_new_tokens - 1}}} or fewer new tokens'
+            )
+        if expand > capacities["max_batch_size"]:
+            raise ValueError(f"{expand} rows per input exceed max_batch_size={capacities['max_batch_size']}")
+        rows_sizes = sorted(
+            {
+                self.padded_size(config, "max_batch_size", batch_size * expand, capacities)
+                for batch_size in range(1, capacities["max_batch_size"] // expand + 1)
+            }
+        )
+        shapes = []
+        for rows in rows_sizes:
+            for length in self.sizes(config, length_name, capacities[length_name]):
+                offset = length - 1 if length_name == "max_prompt_len" else 0
+                windows = {}  # decoder length bucket -> the most new tokens that stay in it
+                for new_tokens in range(1, max_new_tokens + 1):
+                    windows[self.padded_size(config, "max_cache_len", offset + new_tokens, capacities)] = new_tokens
+                shapes += [CallShape(rows // expand, length, new, window) for window, new in windows.items()]
+        return shapes
 
     def generate(self, model, upstream_generate, args: tuple, kwargs: dict):
         """`upstream_generate(*args, **kwargs)`, padded to fixed shapes and cut back."""
@@ -288,7 +366,9 @@ class PaddedPolicy:
         stack.append(call)
         before = model.flexible_cache
         try:
-            output = upstream_generate(**arguments, **extra)
+            # Settings that upstream's compile_config cannot pass on by itself (freezing), for compiles in this call.
+            with compile_settings(resolved.compile_config):
+                output = upstream_generate(**arguments, **extra)
         finally:
             stack.pop()
         cache = model.flexible_cache  # this thread's last cache of this model: the one this call filled, if any
@@ -311,7 +391,8 @@ class PaddedPolicy:
     def _planned_prompt_pad(self, model, config: CacheConfig, prompt_len: int) -> int:
         if model.config.is_encoder_decoder:
             return 0
-        return self._planned(model, config, {"max_prompt_len": prompt_len})["max_prompt_len"] - prompt_len
+        planned = self._planned(model, config, {"max_prompt_len": prompt_len})
+        return self.padded_size(config, "max_prompt_len", prompt_len, planned) - prompt_len
 
     def _pad_call(
         self, model, resolved, config, arguments: dict, extra: dict, model_kwargs: dict, *, main_param, given=None
@@ -337,8 +418,10 @@ class PaddedPolicy:
             if not model.config.is_encoder_decoder:
                 need["max_prompt_len"] = prompt_len
             planned = self._planned(model, config, need)
-            padded_batch_size = planned["max_batch_size"] // expand
-            num_prompt_pad = planned["max_prompt_len"] - prompt_len if "max_prompt_len" in planned else 0
+            padded_batch_size = self.padded_size(config, "max_batch_size", need["max_batch_size"], planned) // expand
+            num_prompt_pad = 0
+            if "max_prompt_len" in planned:
+                num_prompt_pad = self.padded_size(config, "max_prompt_len", prompt_len, planned) - prompt_len
         call = PaddedCall(
             batch_size=batch_size,
             padded_batch_size=max(batch_size, padded_batch_size),
@@ -386,11 +469,31 @@ class PaddedPolicy:
             encoder_len = model_kwargs["encoder_outputs"][0].shape[1]
             given = given_cache(model_kwargs)
             planned = self._planned(model, config, {"max_encoder_len": encoder_len}, given=given)
-            pad_encoder_outputs(model_kwargs, planned["max_encoder_len"], mask_key=model._flex_encoder_mask_key)
+            padded_len = self.padded_size(config, "max_encoder_len", encoder_len, planned)
+            pad_encoder_outputs(model_kwargs, padded_len, mask_key=model._flex_encoder_mask_key)
         return {}
 
 
-POLICIES = {policy.name: policy for policy in (ExactPolicy(), PaddedPolicy())}
+class BucketedPolicy(PaddedPolicy):
+    """`shape_policy="bucketed"`: as `"padded"`, but each shape is padded only up to its next bucket.
+
+    Rows (`batch x max(num_beams, num_return_sequences)`), decoder-only prompt lengths and encoder lengths are padded
+    to the smallest bucket that holds them (`CacheConfig.bucket_for`; powers of two up to each capacity unless
+    `cache_config["buckets"]` lists them), and the cache's attention spans the bucket of the call's decoder length
+    (`FlexibleBucketedLayer`). A call of batch 1 then costs what batch 1 costs, not `max_batch_size`, and a compiled
+    decode step has one graph per combination of buckets (`bucket_shapes`), all known before the first call.
+    """
+
+    name = "bucketed"
+
+    def padded_size(self, config: CacheConfig, name: str, value: int, planned: dict) -> int:
+        return config.bucket_for(name, value, capacity=planned[name])
+
+    def sizes(self, config: CacheConfig, name: str, capacity: int) -> tuple[int, ...]:
+        return config.buckets_of(name, capacity)
+
+
+POLICIES = {policy.name: policy for policy in (ExactPolicy(), PaddedPolicy(), BucketedPolicy())}
 
 
 def given_cache(kwargs: dict):
@@ -427,14 +530,15 @@ class FixedShapeMasksMixin:
         `GenerationMixin.prepare_inputs_for_generation` calls for compileable caches.
 
         Differences from upstream's (the model's own, else `masking_utils.create_masks_for_generate`): with a padded
-        flexible cache, a full-attention or sliding-window mask that SDPA would drop in favour of `is_causal` (a
-        prompt without padding) is built anyway. Otherwise whether a prefill gets a mask would depend on the values of
-        the call's attention mask, and a compiled prefill would compile once with a mask and once without.
+        or bucketed flexible cache, a full-attention or sliding-window mask that SDPA would drop in favour of
+        `is_causal` (a prompt without padding) is built anyway. Otherwise whether a prefill gets a mask would depend on
+        the values of the call's attention mask, and a compiled prefill would compile once with a mask and once without.
         """
         upstream = getattr(super(), "create_masks_for_generate", masking_utils.create_masks_for_generate)
         masks = upstream(**mask_kwargs)
         cache = mask_kwargs.get("cache")
-        if getattr(cache, "shape_policy", None) != PaddedPolicy.name:
+        policy = POLICIES.get(getattr(cache, "shape_policy", None))
+        if policy is None or not policy.fixed_shapes:
             return masks
         full_kwargs = {
             key: mask_kwargs.get(key) for key in ("inputs_embeds", "attention_mask", "cache", "position_ids")

@@ -5,8 +5,16 @@ Design decisions:
   number of new tokens: `min_new_tokens = max_new_tokens`, greedy, so every call of every strategy decodes exactly
   the same number of steps and the outputs can be compared token for token.
 - Strategies are rows of `STRATEGIES`: a cache implementation, extra `cache_config` keys and whether generate
-  compiles; adding a mode is one entry. Compiled strategies are not in the default set: compiling on CPU takes
-  minutes. Each strategy reports the graphs it compiled.
+  compiles; adding a mode is one entry. Compiled strategies use `compile_config_for_cpu()` on CPU; upstream's static
+  cache with upstream's automatic dynamic shapes and without freezing (with `dynamic=False` it would compile one
+  graph per batch and length of the stream, past dynamo's recompile limit, and frozen weights do not survive dynamic
+  shapes). They run by default for T5 and Llama only (`default_models`): compiling on CPU takes tens of seconds per
+  graph. Each strategy reports the graphs it compiled and the time it
+  spent compiling, apart from its warm time.
+- The bucketed strategy compiles every bucket before the stream (`warmup()`), as a server would. Its buckets are
+  two per shape (`bench_buckets`): half the capacity and the capacity for rows and for prompt or encoder lengths,
+  and, for decoder-only models, the decoder lengths those prompts reach: 4 graphs per model, a compile cost the
+  default run can afford.
 - Upstream strategies run on the upstream model, ours on the override model; both hold the same weights.
 - Strategies are interleaved per call, in an order that rotates from call to call, so that a slow moment of a
   shared machine falls on every strategy alike. Each strategy first makes one untimed warm-up call; its
@@ -24,7 +32,9 @@ import dataclasses
 import json
 import os
 import random
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -32,14 +42,18 @@ import torch
 from transformers import CompileConfig, LogitsProcessorList
 from transformers.utils import logging as hf_logging
 
+from ..compilation import compile_config_for_cpu, compile_settings, warmup
 from ..request import FLEXIBLE_STATIC
 from .measure import (
     CacheStorageTracker,
     CallRecord,
+    DecodeStepBytes,
     PeakRss,
     StepTimer,
+    compile_seconds,
     compiled_graph_count,
     ratios,
+    read_bandwidth,
     returned_cache,
     summarize,
 )
@@ -63,45 +77,91 @@ class Strategy:
         cache_implementation: `generate(cache_implementation=...)`; None for upstream's default DynamicCache.
         cache_config: `cache_config` keys beside the capacities (flexible strategies only).
         compile: whether generate compiles the decoding forward (upstream's `compile_config`, on CPU too).
+        dynamic: dynamo's `dynamic` for compiled strategies (None: upstream's automatic dynamic shapes).
+        freezing: whether compiled strategies freeze weights (`compile_config_for_cpu()`'s default; it needs
+            `dynamic=False`: MKL-packed linears are packed for one batch size).
+        warm_up_every_shape: compile every shape before the stream (`warmup()`), instead of one warm-up call.
         default: whether the strategy runs without `--strategies`.
+        default_models: the models it runs for by default (None: all); named in `--strategies`, it runs for all.
     """
 
     name: str
     cache_implementation: str | None = None
     cache_config: dict = field(default_factory=dict)
     compile: bool = False
+    dynamic: bool | None = False
+    freezing: bool = True
+    warm_up_every_shape: bool = False
     default: bool = True
+    default_models: tuple[str, ...] | None = None
 
     @property
     def flexible(self) -> bool:
         return self.cache_implementation == FLEXIBLE_STATIC
 
-    def generate_kwargs(self, capacities: dict[str, int]) -> dict:
+    @property
+    def bucketed(self) -> bool:
+        return self.cache_config.get("shape_policy") == "bucketed"
+
+    def compile_config(self, device: torch.device) -> CompileConfig | None:
+        if not self.compile:
+            return None
+        if device.type == "cpu":
+            config = compile_config_for_cpu(freezing=self.freezing)
+        else:  # CUDA graphs, as upstream's default
+            config = CompileConfig(fullgraph=True, mode="reduce-overhead")
+        config.dynamic = self.dynamic
+        return config
+
+    def generate_kwargs(
+        self, capacities: dict[str, int], *, device: torch.device, buckets: dict | None = None
+    ) -> dict:
         kwargs = {}
         if self.cache_implementation is not None:
             kwargs["cache_implementation"] = self.cache_implementation
         if self.flexible:
             kwargs["cache_config"] = {**capacities, **self.cache_config}
+            if self.bucketed and buckets:
+                kwargs["cache_config"]["buckets"] = buckets
         if self.compile:
-            compile_config = CompileConfig(mode="default")
-            compile_config._compile_all_devices = True  # upstream compiles on CUDA-like devices only otherwise
-            kwargs["compile_config"] = compile_config
+            kwargs["compile_config"] = self.compile_config(device)
         return kwargs
 
 
 PADDED = {"shape_policy": "padded"}
+BUCKETED = {"shape_policy": "bucketed"}
+COMPILED_MODELS = ("t5", "llama")  # the models the compiled strategies run for by default
 STRATEGIES = (
     Strategy(BASELINE),
     Strategy("static", cache_implementation="static"),
     Strategy("flexible_static-exact", cache_implementation=FLEXIBLE_STATIC),
-    Strategy("flexible_static-padded", cache_implementation=FLEXIBLE_STATIC, cache_config=PADDED),
-    Strategy("static-compiled", cache_implementation="static", compile=True, default=False),
+    Strategy("flexible_static-padded", cache_implementation=FLEXIBLE_STATIC, cache_config=PADDED, default=False),
+    Strategy("flexible_static-bucketed", cache_implementation=FLEXIBLE_STATIC, cache_config=BUCKETED, default=False),
+    # Upstream's static cache has a new shape at every call of the stream: with dynamic=False it would compile a graph
+    # per call, past dynamo's limit; with automatic dynamic shapes (upstream's default) freezing fails (a batch of 2
+    # reached a linear packed for 3: "expected size 2==3"), so it compiles without.
+    Strategy(
+        "static-compiled",
+        cache_implementation="static",
+        compile=True,
+        dynamic=None,
+        freezing=False,
+        default_models=COMPILED_MODELS,
+    ),
     Strategy(
         "flexible_static-padded-compiled",
         cache_implementation=FLEXIBLE_STATIC,
         cache_config=PADDED,
         compile=True,
-        default=False,
+        default_models=COMPILED_MODELS,
+    ),
+    Strategy(
+        "flexible_static-bucketed-compiled",
+        cache_implementation=FLEXIBLE_STATIC,
+        cache_config=BUCKETED,
+        compile=True,
+        warm_up_every_shape=True,
+        default_models=COMPILED_MODELS,
     ),
 )
 STRATEGIES_BY_NAME = {strategy.name: strategy for strategy in STRATEGIES}
@@ -130,14 +190,21 @@ def make_stream(*, num_calls: int, max_batch_size: int, min_len: int, max_len: i
 class TorchRunner:
     """Runs one strategy on one model and measures its calls."""
 
-    def __init__(self, strategy: Strategy, model, capacities: dict[str, int]):
+    def __init__(self, strategy: Strategy, model, capacities: dict[str, int], *, buckets: dict | None = None):
         self.name = strategy.name
         self.strategy = strategy
         self.model = model
-        self.generate_kwargs = strategy.generate_kwargs(capacities)
+        self.device = model.device
+        self.generate_kwargs = strategy.generate_kwargs(capacities, device=self.device, buckets=buckets)
         self.tracker = CacheStorageTracker()
 
+    def _on_device(self, inputs: dict) -> dict:
+        return {
+            key: value.to(self.device) if isinstance(value, torch.Tensor) else value for key, value in inputs.items()
+        }
+
     def run(self, inputs: dict, new_tokens: int) -> CallRecord:
+        inputs = self._on_device(inputs)
         rss = PeakRss()
         timer = StepTimer(rss)
         self.tracker.start_call()
@@ -147,20 +214,24 @@ class TorchRunner:
             if self.strategy.compile
             else self.model.register_forward_hook(self.tracker.forward_hook, with_kwargs=True)
         )
-        graphs_before = compiled_graph_count()
+        graphs_before, compile_before = compiled_graph_count(), compile_seconds()
         try:
             rss.start()
             start = time.perf_counter()
-            out = self.model.generate(
-                **inputs,
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-                do_sample=False,
-                num_beams=1,
-                return_dict_in_generate=True,
-                logits_processor=LogitsProcessorList([timer]),
-                **self.generate_kwargs,
-            )
+            # Upstream's generate (the static strategies) does not apply freezing from compile_config.options by
+            # itself (see compile_settings); ours does. Applied here to every strategy, so that all compile alike.
+            with compile_settings(self.generate_kwargs.get("compile_config")):
+                out = self.model.generate(
+                    **inputs,
+                    max_new_tokens=new_tokens,
+                    min_new_tokens=new_tokens,
+                    do_sample=False,
+                    num_beams=1,
+                    return_dict_in_generate=True,
+                    logits_processor=LogitsProcessorList([timer]),
+                    **self.generate_kwargs,
+                )
+            _synchronize(self.device)
             wall_s = time.perf_counter() - start
             rss.sample()
         finally:
@@ -168,7 +239,7 @@ class TorchRunner:
                 hook.remove()
         hook_s = self.tracker.hook_s
         self.tracker.observe(returned_cache(out))
-        tokens = out.sequences[:, -new_tokens:]
+        tokens = out.sequences[:, -new_tokens:].cpu()
         first_token_s = timer.first_token_s(start)
         if first_token_s is not None and hook_s:
             first_token_s -= hook_s[0]
@@ -183,7 +254,49 @@ class TorchRunner:
             peak_cache_bytes=self.tracker.peak_bytes,
             peak_rss_growth_bytes=rss.growth_bytes,
             compiled_graphs=compiled_graph_count() - graphs_before,
+            compile_s=compile_seconds() - compile_before,
+            batch_size=tokens.shape[0],
         )
+
+    def warm_up_every_shape(self, make_inputs, new_tokens: int) -> CallRecord:
+        """Compile every shape the strategy's policy can run the stream at (`warmup()`): one record for all."""
+        kwargs = {key: value for key, value in self.generate_kwargs.items() if key != "cache_implementation"}
+        self.tracker.start_call()
+        graphs_before, compile_before = compiled_graph_count(), compile_seconds()
+        start = time.perf_counter()
+        shapes = warmup(
+            self.model, lambda b, n: self._on_device(make_inputs(b, n)), max_new_tokens=new_tokens, **kwargs
+        )
+        _synchronize(self.device)
+        wall_s = time.perf_counter() - start
+        self.tracker.observe(self.model.flexible_cache)
+        return CallRecord(
+            wall_s=wall_s,
+            num_tokens=0,
+            tokens=torch.empty(0, 0, dtype=torch.long),
+            cache_allocations=self.tracker.allocations,
+            cache_bytes_allocated=self.tracker.bytes_allocated,
+            peak_cache_bytes=self.tracker.peak_bytes,
+            compiled_graphs=compiled_graph_count() - graphs_before,
+            compile_s=compile_seconds() - compile_before,
+            batch_size=max(shape.batch_size for shape in shapes),
+        )
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench_buckets(capacities: dict[str, int], *, encoder_decoder: bool, new_tokens: int) -> dict[str, list[int]]:
+    """The bucketed strategy's buckets: half the capacity and the capacity, for rows and for encoder or prompt
+    lengths; for decoder-only models the decoder length that a prompt of the first bucket reaches (prompt + new
+    tokens - 1), then the capacity. Two rows buckets x two length buckets: 4 graphs per model."""
+    length_name = "max_encoder_len" if encoder_decoder else "max_prompt_len"
+    buckets = {name: [(capacities[name] + 1) // 2] for name in ("max_batch_size", length_name)}
+    if not encoder_decoder:
+        buckets["max_cache_len"] = [buckets["max_prompt_len"][0] + new_tokens - 1]
+    return buckets
 
 
 def capacities_for(config, stream: list[Call], new_tokens: int) -> dict[str, int]:
@@ -209,11 +322,14 @@ class ModelResult:
     new_tokens: int = 0
     stream: list[Call] = field(default_factory=list)
     capacities: dict = field(default_factory=dict)
+    buckets: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     records: dict[str, list[CallRecord]] = field(default_factory=dict)
     warm_ups: dict[str, CallRecord] = field(default_factory=dict)
     mismatches: dict[str, list[int]] = field(default_factory=dict)  # strategy -> calls whose tokens differ
+    decode_step_bytes: dict = field(default_factory=dict)  # weights and cache read by a decode step at the max batch
+    floor_step_ms: float | None = None  # those bytes over the measured read bandwidth
 
     def summary(self) -> dict[str, dict]:
         """Figures per strategy, each with its ratios to DynamicCache and whether its tokens matched."""
@@ -221,14 +337,30 @@ class ModelResult:
         baseline = figures.get(BASELINE)
         for name, values in figures.items():
             values["vs_dynamic"] = ratios(values, baseline) if baseline else None
+            step = values["largest_batch_step_ms"]
+            values["largest_batch_step_vs_floor"] = step / self.floor_step_ms if step and self.floor_step_ms else None
             values["outputs_equal"] = not self.mismatches.get(name)
         return figures
+
+
+def strategies_for(model_name: str, strategies: list[Strategy], *, named: bool, quick: bool) -> list[Strategy]:
+    """The strategies that run for `model_name`: all that were named; else the defaults for this model, without the
+    compiled ones under `--quick` (compiling takes longer than the whole quick run)."""
+    if named:
+        return strategies
+    return [
+        strategy
+        for strategy in strategies
+        if (strategy.default_models is None or model_name in strategy.default_models)
+        and not (quick and strategy.compile)
+    ]
 
 
 def run_model(model: BenchModel, args, strategies: list[Strategy], log) -> ModelResult:
     """Run the stream on `model` under every strategy (and CTranslate2 for T5 and Marian when installed)."""
     description = args.model or (f"tiny {model.name} (--quick)" if args.quick else model.description)
     result = ModelResult(model.name, description)
+    strategies = strategies_for(model.name, strategies, named=args.strategies_named, quick=args.quick)
     needs_override = any(strategy.flexible for strategy in strategies)
     upstream, flex = build_models(
         model, quick=args.quick, checkpoint=args.model, seed=args.seed, with_override=needs_override
@@ -253,25 +385,46 @@ def run_model(model: BenchModel, args, strategies: list[Strategy], log) -> Model
         ]
     result.new_tokens = args.new_tokens
     result.capacities = capacities_for(config, result.stream, args.new_tokens)
+    result.buckets = bench_buckets(
+        result.capacities, encoder_decoder=config.is_encoder_decoder, new_tokens=args.new_tokens
+    )
+
+    peer = None
+    if model.ctranslate2_peer and not args.no_ctranslate2:
+        # Converted before the torch models move: CTranslate2 reads the fp32 weights on the CPU.
+        peer, note = _ctranslate2_runner(upstream, args.threads, device=args.device, dtype=args.dtype)
+        if note:
+            result.notes.append(note)
+    dtype = getattr(torch, args.dtype)
+    upstream.to(device=args.device, dtype=dtype)
+    if flex is not None:
+        flex.to(device=args.device, dtype=dtype)
 
     # Each flexible strategy gets its own model object (a shallow copy: the same weights) and so its own pool: a pool
     # holds one cache by default, and a change of shape policy rebuilds it, which interleaving would do per call.
     runners = [
-        TorchRunner(strategy, copy.copy(flex) if strategy.flexible else upstream, result.capacities)
+        TorchRunner(
+            strategy,
+            copy.copy(flex) if strategy.flexible else upstream,
+            result.capacities,
+            buckets=result.buckets,
+        )
         for strategy in strategies
     ]
-    if model.ctranslate2_peer and not args.no_ctranslate2:
-        peer, note = _ctranslate2_runner(upstream, args.threads)
-        if note:
-            result.notes.append(note)
-        if peer is not None:
-            runners.append(peer)
+    if peer is not None:
+        runners.append(peer)
 
     generator = torch.Generator().manual_seed(args.seed + 1)
     warm_up = model.make_inputs(config, 1, min_len, generator)
     for runner in list(runners):
         try:
-            result.warm_ups[runner.name] = runner.run(warm_up, min(2, args.new_tokens))
+            if isinstance(runner, TorchRunner) and runner.strategy.warm_up_every_shape:
+                record = runner.warm_up_every_shape(
+                    lambda b, n: model.make_inputs(config, b, n, generator), args.new_tokens
+                )
+            else:
+                record = runner.run(warm_up, min(2, args.new_tokens))
+            result.warm_ups[runner.name] = record
         except Exception as error:
             message = f"{runner.name} failed on the warm-up call: {type(error).__name__}: {error}"
             runners.remove(runner)
@@ -291,10 +444,31 @@ def run_model(model: BenchModel, args, strategies: list[Strategy], log) -> Model
             result.records.setdefault(name, []).append(record)
             if not torch.equal(record.tokens, expected):
                 result.mismatches.setdefault(name, []).append(index)
+
+    result.decode_step_bytes = _decode_step_bytes(model, upstream, result, generator, args.device)
+    if args.bandwidth:
+        result.floor_step_ms = 1e3 * sum(result.decode_step_bytes.values()) / args.bandwidth
+    torch._dynamo.reset()  # compiled graphs and frozen weights of this model are not needed any more
     return result
 
 
-def _ctranslate2_runner(upstream, threads: int):
+def _decode_step_bytes(model: BenchModel, upstream, result: ModelResult, generator, device) -> dict:
+    """Weights and cache bytes that DynamicCache's decode step reads at the middle of a call at the stream's largest
+    batch (the longest such call: the most cache), measured on the upstream model (see `DecodeStepBytes`)."""
+    largest = max(result.stream, key=lambda call: (call.batch_size, call.length))
+    inputs = model.make_inputs(upstream.config, largest.batch_size, largest.length, generator)
+    inputs = {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in inputs.items()}
+    step = max(2, result.new_tokens // 2 + 1)  # forward 1 is the prefill
+    with DecodeStepBytes(upstream, step=step) as counted:
+        upstream.generate(
+            **inputs, max_new_tokens=result.new_tokens, min_new_tokens=result.new_tokens, do_sample=False
+        )
+    return {"weights": counted.weight_bytes, "cache": counted.cache_bytes}
+
+
+def _ctranslate2_runner(upstream, threads: int, *, device: str, dtype: str):
+    if device != "cpu":
+        return None, f"CTranslate2 row runs on the CPU only here (--device {device}): no CTranslate2 row"
     try:
         from .ctranslate2 import CTranslate2Runner
     except ImportError:
@@ -302,6 +476,8 @@ def _ctranslate2_runner(upstream, threads: int):
             None,
             "ctranslate2 is not installed: no CTranslate2 row (pip install transformers-flexcache[ctranslate2])",
         )
+    if dtype != "float32":
+        return None, f"no CTranslate2 row with --dtype {dtype}: it is compared at float32"
     try:
         return CTranslate2Runner.from_model(upstream, threads=threads), None
     except Exception as error:  # a converter that refuses this checkpoint costs the row, not the run
@@ -317,9 +493,14 @@ def _progress(stream, name: str, disable: bool):
 # --- command line ----------------------------------------------------------------------------------------------
 
 
+def default_strategy_names() -> str:
+    return ",".join(s.name for s in STRATEGIES if s.default)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `bench` subcommand's options."""
-    default_strategies = ",".join(s.name for s in STRATEGIES if s.default)
+    default_strategies = default_strategy_names()
+    compiled = ",".join(s.name for s in STRATEGIES if s.default and s.default_models)
     parser.add_argument(
         "--models",
         default=",".join(DEFAULT_MODELS),
@@ -328,8 +509,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", metavar="PATH", help="a local checkpoint folder to run instead of built-in configs")
     parser.add_argument(
         "--strategies",
-        default=default_strategies,
-        help=f"comma-separated strategies, of {','.join(STRATEGIES_BY_NAME)} (default: {default_strategies}); "
+        default=None,
+        help=f"comma-separated strategies, of {','.join(STRATEGIES_BY_NAME)} (default: {default_strategies}; "
+        f"{compiled} only for {','.join(COMPILED_MODELS)}, and not with --quick; named ones run for every model); "
         f"{BASELINE} always runs, as the reference",
     )
     parser.add_argument("--calls", type=int, default=None, help="generate calls per model (default 20; --quick: 6)")
@@ -348,8 +530,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="CPU threads for torch and CTranslate2 (default: torch's, i.e. OMP_NUM_THREADS or the cores)",
     )
+    parser.add_argument("--device", default="cpu", help="torch device of the models (default cpu; e.g. cuda)")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "float16"),
+        help="dtype of the models (default float32; bfloat16 on CPUs with native bf16 matmuls: AVX512-BF16 or AMX)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights, the stream and the inputs")
-    parser.add_argument("--quick", action="store_true", help="tiny configs and a short stream: under a minute")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny configs, a short stream, no compiled strategy unless named: a smoke test, its timings mean nothing",
+    )
+    parser.add_argument(
+        "--inductor-cache",
+        metavar="DIR",
+        help="inductor's on-disk cache (compiled kernels and graphs) to use and keep; default: a new empty one for "
+        "the run, removed after it, so that compile times are those of a first start",
+    )
     parser.add_argument("--no-ctranslate2", action="store_true", help="skip the CTranslate2 row for T5 and Marian")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--json", metavar="PATH", help="write every figure, per strategy and per call, as JSON")
@@ -372,7 +571,18 @@ def _resolve(args, parser: argparse.ArgumentParser) -> tuple[list[BenchModel], l
     elif args.threads < 1:
         parser.error(f"--threads={args.threads} must be at least 1")
 
-    names = [name.strip() for name in args.strategies.split(",") if name.strip()]
+    args.strategies_named = args.strategies is not None
+    try:
+        args.device = str(torch.device(args.device))
+    except RuntimeError as error:
+        parser.error(f"--device {args.device}: {error}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device} needs CUDA, and torch.cuda.is_available() is False")
+    if args.dtype == "bfloat16" and args.device == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        parser.error("--dtype bfloat16 needs a CPU with native bf16 (AVX512-BF16 or AMX): this one would emulate it")
+    if args.dtype == "float16" and args.device == "cpu":
+        parser.error("--dtype float16 is for GPUs; on CPU use bfloat16 (where supported) or float32")
+    names = [name.strip() for name in (args.strategies or default_strategy_names()).split(",") if name.strip()]
     unknown = [name for name in names if name not in STRATEGIES_BY_NAME]
     if unknown:
         parser.error(f"unknown strategies {unknown}; choose from {list(STRATEGIES_BY_NAME)}")
@@ -427,21 +637,35 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     torch.set_num_threads(args.threads)
     log = print
     selected = list(strategies)
+    cache_dir = args.inductor_cache or tempfile.mkdtemp(prefix="flexcache-bench-inductor-")
+    cache_dir_before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
 
+    args.bandwidth = read_bandwidth(device=args.device)
     machine = machine_info(args.threads)
+    machine["read_bandwidth_bytes_per_s"] = args.bandwidth
+    machine["inductor_cache"] = args.inductor_cache or "new for the run"
     print(format_header(machine, args))
     results = []
     started = time.perf_counter()
     try:
-        with _quiet_transformers():
+        # The strategies of one model compile one function (the model's `__call__`) into several graphs (and
+        # several models the same code): more than dynamo's default of 8 per function would run the rest eagerly.
+        with _quiet_transformers(), torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=512):
             for model in models:
                 results.append(run_model(model, args, selected, log))
                 report = to_json(results, args=args, machine=machine, elapsed_s=time.perf_counter() - started)
-                print(format_model(model.name, report["models"][model.name]), flush=True)
+                print(format_model(model.name, report["models"][model.name], bandwidth=args.bandwidth), flush=True)
                 if args.json:  # written after each model, so that an interrupted run keeps what it measured
                     _write_json(report, args.json)
     finally:
         torch.set_num_threads(threads_before)
+        if cache_dir_before is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir_before
+        if args.inductor_cache is None:
+            shutil.rmtree(cache_dir, ignore_errors=True)
     report["complete"] = True
     print(format_footer(report))
     if args.json:

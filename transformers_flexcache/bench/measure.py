@@ -17,7 +17,16 @@ Design decisions:
   minus the first. It misses peaks inside a forward (activations), and memory that the C allocator freed but kept
   for reuse does not show up again, so it is a rough figure that depends on what ran before. `peak_cache_bytes`
   is the exact one for caches.
-- Compiled graphs: the increase of dynamo's `unique_graphs` counter over the call.
+- Compiled graphs: the increase of dynamo's `unique_graphs` counter over the call. Compile time: the increase of the
+  time dynamo records for its compilations (`compilation_time_metrics["_compile.compile_inner"]`: tracing plus the
+  backend, inductor's C++ builds included) over the call. Warm wall time is wall time minus compile time, so that a
+  strategy that recompiles in the middle of a stream (upstream's static cache at a new batch) is charged its
+  compilations in the compile column, not in the warm one.
+- The bandwidth floor of a decode step: the bytes the step must read (the parameters of every module that runs in
+  it, found with forward pre-hooks on one real decode step, embedding tables counted by the rows looked up; plus the
+  cache tensors it attends over) divided by the machine's read bandwidth, measured here by summing a buffer larger
+  than the last-level cache with the benchmark's threads (best of several). No implementation can step faster on
+  this machine than by reading its weights once.
 """
 
 from __future__ import annotations
@@ -51,10 +60,18 @@ class CallRecord:
     peak_cache_bytes: int | None = None
     peak_rss_growth_bytes: int | None = None
     compiled_graphs: int | None = None
+    compile_s: float | None = None  # time spent compiling during the call
+    batch_size: int | None = None  # rows of the call (default: those of `tokens`)
+
+    def __post_init__(self):
+        if self.batch_size is None and self.tokens.dim() == 2:
+            self.batch_size = self.tokens.shape[0]
 
     def figures(self) -> dict:
         return {
             "wall_s": self.wall_s,
+            "compile_s": self.compile_s,
+            "batch_size": self.batch_size,
             "tokens_per_s": self.num_tokens / self.wall_s,
             "first_token_ms": None if self.first_token_s is None else 1e3 * self.first_token_s,
             "step_latency_ms": 1e3 * statistics.median(self.step_s) if self.step_s else None,
@@ -189,16 +206,95 @@ def compiled_graph_count() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+def compile_seconds() -> float:
+    """Seconds that dynamo has spent compiling in this process so far (tracing and backend, all frames)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return sum(compilation_time_metrics.get("_compile.compile_inner", ()))
+
+
+def read_bandwidth(*, nbytes: int = 256 * 2**20, repeats: int = 5, device: str = "cpu") -> float:
+    """Bytes per second that this process reads from memory: `nbytes` summed, best of `repeats` (after one untimed
+    pass), with torch's current threads. The buffer is larger than any last-level cache, so it comes from memory."""
+    buffer = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    buffer.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        _synchronize(device)
+        start = time.perf_counter()
+        buffer.sum()
+        _synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return buffer.numel() * buffer.element_size() / best
+
+
+def _synchronize(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+class DecodeStepBytes:
+    """The bytes one decode step reads: parameters of the modules that run in it, and the cache it attends over.
+
+    Measured on a real eager `generate` call: forward pre-hooks on every module that holds parameters record, during
+    the `step`-th forward (a decode step), which modules ran and the cache they were given. A parameter counts once
+    (tied embeddings), an embedding table by the rows looked up, the cache by the bytes of the live tensors it holds
+    (DynamicCache holds exactly what attention reads).
+    """
+
+    def __init__(self, model, *, step: int):
+        self.model = model
+        self.step = step
+        self.forwards = 0
+        self.weight_bytes = 0
+        self.cache_bytes = 0
+        self._seen: set[int] = set()
+        self._handles = []
+
+    def __enter__(self) -> DecodeStepBytes:
+        self._handles.append(self.model.register_forward_pre_hook(self._count_forward, with_kwargs=True))
+        for module in self.model.modules():
+            if any(True for _ in module.parameters(recurse=False)):
+                self._handles.append(module.register_forward_pre_hook(self._count_module))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def _count_forward(self, module, args, kwargs) -> None:
+        self.forwards += 1
+        if self.forwards == self.step:
+            cache = next((value for value in kwargs.values() if isinstance(value, Cache)), None)
+            self.cache_bytes = sum(storage.nbytes() for storage in cache_storages(cache)) if cache is not None else 0
+
+    def _count_module(self, module, args) -> None:
+        if self.forwards != self.step:
+            return
+        for parameter in module.parameters(recurse=False):
+            if parameter.data_ptr() in self._seen:
+                continue
+            self._seen.add(parameter.data_ptr())
+            if isinstance(module, torch.nn.Embedding) and args and isinstance(args[0], torch.Tensor):
+                self.weight_bytes += args[0].numel() * parameter.shape[-1] * parameter.element_size()
+            else:
+                self.weight_bytes += parameter.numel() * parameter.element_size()
+
+
 def summarize(records: list[CallRecord], *, warm_up: CallRecord | None = None) -> dict:
     """Figures of a strategy over a stream: totals, medians over all decode steps, maxima over calls.
 
-    The untimed warm-up call counts only in the totals of allocations, bytes allocated and compiled graphs: what it
-    allocates or compiles is part of serving the stream.
+    The untimed warm-up call counts only in the totals of allocations, bytes allocated, compiled graphs and compile
+    time: what it allocates or compiles is part of serving the stream. `warm_wall_s` (and tokens per second) leave
+    out the compile time of the stream's calls; `largest_batch_step_ms` is the median step of the calls at the
+    stream's largest batch.
     """
     counted = [warm_up, *records] if warm_up is not None else records
     wall_s = sum(r.wall_s for r in records)
     steps = [s for r in records for s in r.step_s]
     firsts = [r.first_token_s for r in records if r.first_token_s is not None]
+    largest = max((r.batch_size or 0 for r in records), default=0)
+    largest_steps = [s for r in records if r.batch_size == largest for s in r.step_s]
 
     def total(name):
         values = [getattr(r, name) for r in counted]
@@ -208,11 +304,16 @@ def summarize(records: list[CallRecord], *, warm_up: CallRecord | None = None) -
         values = [getattr(r, name) for r in records]
         return None if any(v is None for v in values) else max(values)
 
+    compile_s = total("compile_s")
+    stream_compile_s = sum(r.compile_s or 0.0 for r in records)
     return {
         "wall_s": wall_s,
-        "tokens_per_s": sum(r.num_tokens for r in records) / wall_s,
+        "compile_s": compile_s,
+        "warm_wall_s": wall_s - stream_compile_s,
+        "tokens_per_s": sum(r.num_tokens for r in records) / (wall_s - stream_compile_s),
         "first_token_ms": 1e3 * statistics.median(firsts) if firsts else None,
         "step_latency_ms": 1e3 * statistics.median(steps) if steps else None,
+        "largest_batch_step_ms": 1e3 * statistics.median(largest_steps) if largest_steps else None,
         "cache_allocations": total("cache_allocations"),
         "cache_bytes_allocated": total("cache_bytes_allocated"),
         "peak_cache_bytes": peak("peak_cache_bytes"),
@@ -223,9 +324,12 @@ def summarize(records: list[CallRecord], *, warm_up: CallRecord | None = None) -
 
 FIGURES = (
     "wall_s",
+    "compile_s",
+    "warm_wall_s",
     "tokens_per_s",
     "first_token_ms",
     "step_latency_ms",
+    "largest_batch_step_ms",
     "cache_allocations",
     "cache_bytes_allocated",
     "peak_cache_bytes",

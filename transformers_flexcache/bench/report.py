@@ -1,7 +1,8 @@
 """The benchmark's outputs: the JSON document, the plain-text table and the PNG plot.
 
-The JSON holds, per model and per strategy, every figure of `bench_measure.FIGURES` over the stream, the same
-figures per call, and each figure's ratio to DynamicCache's (`vs_dynamic`). The table prints the main ones.
+The JSON holds, per model and per strategy, every figure of `measure.FIGURES` over the stream, the same figures per
+call, and each figure's ratio to DynamicCache's (`vs_dynamic`); per model the bytes of a decode step and its floor.
+The text prints three tables per model (time, decode step, cache memory), each readable in 100 columns.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def machine_info(threads: int) -> dict:
         "cpu": cpu,
         "cpu_count": os.cpu_count(),
         "threads": threads,
-        "load_average_at_end": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "load_average_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -63,6 +64,9 @@ def _model_json(result) -> dict:
         "notes": result.notes,
         "failures": result.failures,
         "capacities": result.capacities,
+        "buckets": result.buckets,
+        "decode_step_bytes": result.decode_step_bytes,
+        "floor_step_ms": result.floor_step_ms,
         "new_tokens": result.new_tokens,
         "reference_distinct_tokens_per_row": _distinct_tokens_per_row(result),
         "stream": _stream_json(result),
@@ -90,6 +94,7 @@ def to_json(results, *, args, machine: dict, elapsed_s: float) -> dict:
         len(records) for result in results for name, records in result.records.items() if name != "dynamic"
     )
     failures = [f"{result.name}: {failure}" for result in results for failure in result.failures]
+    machine = {**machine, "load_average_at_end": os.getloadavg() if hasattr(os, "getloadavg") else None}
     return {
         "settings": {
             "models": [result.name for result in results],
@@ -101,6 +106,8 @@ def to_json(results, *, args, machine: dict, elapsed_s: float) -> dict:
             "max_length": args.max_length,
             "new_tokens": args.new_tokens,
             "threads": args.threads,
+            "device": args.device,
+            "dtype": args.dtype,
             "seed": args.seed,
         },
         "machine": machine,
@@ -114,54 +121,96 @@ def to_json(results, *, args, machine: dict, elapsed_s: float) -> dict:
     }
 
 
-# --- the table -----------------------------------------------------------------------------------------------
+# --- the tables ------------------------------------------------------------------------------------------------
+# Three tables per model, each under 100 columns: time over the stream, the decode step, cache memory.
 
-_COLUMNS = [
-    # (header, figure, scale, format, with ratio)
-    ("wall s", "wall_s", 1, "{:.2f}", True),
-    ("tok/s", "tokens_per_s", 1, "{:.0f}", True),
-    ("1st tok ms", "first_token_ms", 1, "{:.1f}", False),
-    ("step ms", "step_latency_ms", 1, "{:.2f}", True),
-    ("allocs", "cache_allocations", 1, "{:d}", False),
-    ("alloc MB", "cache_bytes_allocated", MB, "{:.1f}", True),
-    ("peak cache MB", "peak_cache_bytes", MB, "{:.1f}", False),
-    ("peak RSS+ MB", "peak_rss_growth_bytes", MB, "{:.0f}", False),
-    ("graphs", "compiled_graphs", 1, "{:d}", False),
-]
+STRATEGY_WIDTH = 33  # "flexible_static-bucketed-compiled"
 
 
-def _cell(value, scale, fmt) -> str:
-    if value is None:
-        return "-"
-    return fmt.format(value / scale if scale != 1 else value)
+def _cell(value, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value)
 
 
 def _ratio(value) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
-def _table(model: dict) -> list[str]:
-    headers = ["strategy"]
-    for header, _, _, _, with_ratio in _COLUMNS:
-        headers += [header, "x dyn"] if with_ratio else [header]
-    headers.append("same tokens")
-    rows = [headers]
-    for name, figures in model["strategies"].items():
-        row = [name]
-        for _, figure, scale, fmt, with_ratio in _COLUMNS:
-            row.append(_cell(figures[figure], scale, fmt))
-            if with_ratio:
-                row.append(_ratio((figures["vs_dynamic"] or {}).get(figure)))
-        row.append("reference" if name == "dynamic" else ("yes" if figures["outputs_equal"] else "NO"))
-        rows.append(row)
-    widths = [max(len(row[i]) for row in rows) for i in range(len(headers))]
+def _divide(a, b):
+    return a / b if a is not None and b else None
+
+
+def _render(title: str, headers: list[str], rows: list[list[str]]) -> list[str]:
+    rows = [[title, *headers], *rows]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    widths[0] = max(widths[0], STRATEGY_WIDTH)
     return [
-        "  ".join(
-            cell.rjust(width) if i else cell.ljust(width)
-            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
-        )
+        "  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True)))
         for row in rows
     ]
+
+
+def _same(name: str, figures: dict) -> str:
+    return "ref" if name == "dynamic" else ("yes" if figures["outputs_equal"] else "NO")
+
+
+def _time_table(model: dict) -> list[str]:
+    headers = ["compile s", "graphs", "wall s", "wall/dyn", "tok/s", "1st ms", "same"]
+    rows = []
+    for name, f in model["strategies"].items():
+        vs = f["vs_dynamic"] or {}
+        rows.append(
+            [
+                name,
+                _cell(f["compile_s"] if f["compile_s"] else None, "{:.1f}"),
+                _cell(f["compiled_graphs"], "{:d}"),
+                _cell(f["warm_wall_s"], "{:.2f}"),
+                _ratio(vs.get("warm_wall_s")),
+                _cell(f["tokens_per_s"], "{:.0f}"),
+                _cell(f["first_token_ms"], "{:.0f}"),
+                _same(name, f),
+            ]
+        )
+    return _render("time (stream)", headers, rows)
+
+
+def _step_table(model: dict) -> list[str]:
+    batch = max((call["batch_size"] for call in model["stream"]), default=0)
+    big = f"B={batch}"
+    headers = ["step ms", "step/dyn", f"{big} ms", f"{big}/dyn", f"{big}/ct2", f"{big}/floor"]
+    peer = model["strategies"].get("ctranslate2", {}).get("largest_batch_step_ms")
+    rows = []
+    for name, f in model["strategies"].items():
+        vs = f["vs_dynamic"] or {}
+        rows.append(
+            [
+                name,
+                _cell(f["step_latency_ms"], "{:.1f}"),
+                _ratio(vs.get("step_latency_ms")),
+                _cell(f["largest_batch_step_ms"], "{:.1f}"),
+                _ratio(vs.get("largest_batch_step_ms")),
+                _ratio(_divide(f["largest_batch_step_ms"], peer)),
+                _ratio(f["largest_batch_step_vs_floor"]),
+            ]
+        )
+    return _render("decode step (median)", headers, rows)
+
+
+def _memory_table(model: dict) -> list[str]:
+    headers = ["allocs", "alloc MB", "MB/dyn", "peak cache MB", "peak RSS+ MB"]
+    rows = []
+    for name, f in model["strategies"].items():
+        vs = f["vs_dynamic"] or {}
+        rows.append(
+            [
+                name,
+                _cell(f["cache_allocations"], "{:d}"),
+                _cell(None if f["cache_bytes_allocated"] is None else f["cache_bytes_allocated"] / MB, "{:.1f}"),
+                _ratio(vs.get("cache_bytes_allocated")),
+                _cell(None if f["peak_cache_bytes"] is None else f["peak_cache_bytes"] / MB, "{:.1f}"),
+                _cell(None if f["peak_rss_growth_bytes"] is None else f["peak_rss_growth_bytes"] / MB, "{:.0f}"),
+            ]
+        )
+    return _render("cache memory", headers, rows)
 
 
 def _stream_line(model: dict) -> str:
@@ -173,26 +222,73 @@ def _stream_line(model: dict) -> str:
         kind, lengths = "prompt length", [call["length"] for call in stream]
     return (
         f"{len(stream)} calls, batch {min(batches)}-{max(batches)}, {kind} {min(lengths)}-{max(lengths)}, "
-        f"{model['new_tokens']} new tokens each ({model['reference_distinct_tokens_per_row']:.1f} distinct per row); "
-        f"flexible capacities {model['capacities']}"
+        f"{model['new_tokens']} new tokens each ({model['reference_distinct_tokens_per_row']:.1f} distinct per row)"
+    )
+
+
+def _floor_line(model: dict, bandwidth: float | None) -> str | None:
+    counted = model.get("decode_step_bytes") or {}
+    if not counted or model.get("floor_step_ms") is None:
+        return None
+    batch = max(call["batch_size"] for call in model["stream"])
+    return (
+        f"floor: a decode step at B={batch} reads {counted['weights'] / MB:.1f} MB of weights + "
+        f"{counted['cache'] / MB:.1f} MB of cache: {model['floor_step_ms']:.3g} ms at {bandwidth / 1e9:.1f} GB/s"
+    )
+
+
+def _verdict(model: dict) -> str | None:
+    """Which strategy was fastest, warm, over the stream and per decode step at the largest batch."""
+    strategies = {name: f for name, f in model["strategies"].items() if f["outputs_equal"]}
+    ours = {name: f for name, f in strategies.items() if name != "ctranslate2"}
+    if not ours or "dynamic" not in ours:
+        return None
+    stream = min(ours, key=lambda name: ours[name]["warm_wall_s"])
+    step = min(ours, key=lambda name: ours[name]["largest_batch_step_ms"] or float("inf"))
+    wall = ours[stream]["vs_dynamic"]["warm_wall_s"]
+    step_ratio = ours[step]["vs_dynamic"]["largest_batch_step_ms"]
+    return (
+        f"fastest warm stream: {stream} ({wall:.2f}x dynamic)\n"
+        f"  fastest step at the largest batch: {step} ({_ratio(step_ratio)} dynamic)"
     )
 
 
 def format_header(machine: dict, args) -> str:
-    mode = "quick (tiny configs)" if args.quick else "real-sized random models"
+    mode = (
+        "quick: tiny models, TIMINGS ARE NOT MEANINGFUL (a smoke test)" if args.quick else "real-sized random models"
+    )
+    bandwidth = machine.get("read_bandwidth_bytes_per_s")
     return (
-        f"transformers-flexcache bench: {mode}; {machine['cpu']}, {machine['threads']} thread(s) of "
-        f"{machine['cpu_count']} CPUs; torch {machine['torch']}, transformers {machine['transformers']}"
+        f"transformers-flexcache bench: {mode}\n"
+        f"{machine['cpu']}, {machine['threads']} thread(s) of {machine['cpu_count']} CPUs, "
+        f"{args.device}, {args.dtype}\n"
+        f"torch {machine['torch']}, transformers {machine['transformers']}; load average {_load(machine)}"
+        + (f"; read bandwidth {bandwidth / 1e9:.1f} GB/s" if bandwidth else "")
     )
 
 
-def format_model(name: str, model: dict) -> str:
-    """One model's block: its stream, a row per strategy, and its notes."""
+def _load(machine: dict) -> str:
+    load = machine.get("load_average_at_start") or machine.get("load_average_at_end")
+    return "-" if not load else "/".join(f"{value:.1f}" for value in load)
+
+
+def format_model(name: str, model: dict, *, bandwidth: float | None = None) -> str:
+    """One model's block: its stream, three tables of the strategies, and its notes."""
     lines = ["", f"{name}: {model['description']}, {model['num_parameters'] / 1e6:.1f}M parameters"]
     if model["stream"]:
         lines.append("  " + _stream_line(model))
+        lines.append(f"  capacities {model['capacities']}")
+        buckets = ", ".join(f"{name} {' '.join(map(str, sizes))}" for name, sizes in model["buckets"].items())
+        lines.append(f"  bucketed: {buckets}, then each capacity")
+        floor = _floor_line(model, bandwidth)
+        if floor:
+            lines.append("  " + floor)
     if model["strategies"]:
-        lines += ["  " + line for line in _table(model)]
+        for table in (_time_table, _step_table, _memory_table):
+            lines += ["  " + line for line in table(model)]
+        verdict = _verdict(model)
+        if verdict:
+            lines.append("  " + verdict)
     lines += [f"  note: {note}" for note in model["notes"]]
     lines += [f"  FAILED: {failure}" for failure in model["failures"]]
     return "\n".join(lines)
@@ -202,10 +298,14 @@ def format_footer(report: dict) -> str:
     """The legend and the verdict: whether every strategy generated DynamicCache's tokens on every call."""
     lines = [
         "",
-        "x dyn: ratio to DynamicCache (wall s, step ms, alloc MB: lower is better; tok/s: higher). allocs: cache "
-        "storages allocated, warm-up call included. peak RSS+: rough RSS growth during a call (see docs).",
-        f"Total time {report['elapsed_s']:.0f} s.",
+        "compile s: time spent compiling (warm-up and stream); wall s: the stream's wall time minus that;",
+        "X/dyn: ratio to DynamicCache's (lower is better); tok/s: new tokens / wall s; step ms: median step;",
+        "B=n: calls at the largest batch; /ct2: ratio to CTranslate2's; /floor: to the bandwidth floor;",
+        "allocs: cache storages allocated, warm-up included; peak RSS+: rough RSS growth in a call (docs).",
+        f"Total time {report['elapsed_s']:.0f} s; load average at the end {_load(report['machine'])}.",
     ]
+    if report["settings"].get("quick"):
+        lines.append("quick run: tiny models, timings are not meaningful.")
     if report["outputs_equal"]:
         lines.append(
             f"Outputs: every strategy generated exactly DynamicCache's tokens on every call "
@@ -213,7 +313,7 @@ def format_footer(report: dict) -> str:
         )
     else:
         differing = [
-            f"{model_name} {name} (calls {[i for i, call in enumerate(figures['calls']) if not call['outputs_equal']]})"
+            f"{model_name} {name} (calls {[i for i, c in enumerate(figures['calls']) if not c['outputs_equal']]})"
             for model_name, model in report["models"].items()
             for name, figures in model["strategies"].items()
             if not figures["outputs_equal"]
@@ -228,7 +328,8 @@ def format_footer(report: dict) -> str:
 
 
 def write_plot(results, path: str) -> str:
-    """Write a PNG with, per model, the wall time and the cache bytes allocated of each call, per strategy."""
+    """Write a PNG with, per model: the warm wall time of the stream and the compile time of each strategy; the
+    decode step at the largest batch against the bandwidth floor; and the cache bytes allocated per call."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -238,11 +339,39 @@ def write_plot(results, path: str) -> str:
     shown = [result for result in results if result.records]
     if not shown:
         return "no model ran: no plot written"
-    figure, axes = plt.subplots(len(shown), 2, figsize=(12, 3.2 * len(shown)), squeeze=False)
-    for (time_axis, memory_axis), result in zip(axes, shown, strict=True):
+    figure, axes = plt.subplots(len(shown), 3, figsize=(16, 3.6 * len(shown)), squeeze=False)
+    for (wall_axis, step_axis, memory_axis), result in zip(axes, shown, strict=True):
+        summary = result.summary()
+        names = list(summary)
+        positions = range(len(names))
+        warm = [summary[name]["warm_wall_s"] for name in names]
+        bars = wall_axis.barh(positions, warm, color="tab:blue", label="warm (compile excluded)")
+        for bar, name in zip(bars, names, strict=True):
+            compile_s = summary[name]["compile_s"]
+            if compile_s:
+                wall_axis.annotate(
+                    f" + {compile_s:.0f} s compile",
+                    (bar.get_width(), bar.get_y() + bar.get_height() / 2),
+                    va="center",
+                    fontsize=7,
+                )
+        wall_axis.set_yticks(list(positions), names, fontsize=7)
+        wall_axis.invert_yaxis()
+        wall_axis.set_title(f"{result.name}: stream wall time (s), warm")
+        wall_axis.set_xlabel("seconds")
+
+        steps = [summary[name]["largest_batch_step_ms"] or 0 for name in names]
+        step_axis.barh(positions, steps, color="tab:green")
+        if result.floor_step_ms:
+            step_axis.axvline(result.floor_step_ms, color="black", linestyle="--", label="bandwidth floor")
+            step_axis.legend(fontsize=7)
+        step_axis.set_yticks(list(positions), [""] * len(names))
+        step_axis.invert_yaxis()
+        batch = max(call.batch_size for call in result.stream)
+        step_axis.set_title(f"{result.name}: decode step at batch {batch} (ms, median)")
+        step_axis.set_xlabel("ms")
+
         for name, records in result.records.items():
-            calls = range(1, len(records) + 1)
-            time_axis.plot(calls, [r.wall_s for r in records], marker="o", markersize=3, label=name)
             warm_up = result.warm_ups.get(name)
             if records[0].cache_bytes_allocated is not None and warm_up is not None:
                 # Call 0 is the untimed warm-up: where the flexible cache makes its one allocation.
@@ -253,16 +382,12 @@ def write_plot(results, path: str) -> str:
                     markersize=3,
                     label=name,
                 )
-        time_axis.set_title(f"{result.name}: wall time per call")
-        time_axis.set_ylabel("seconds")
-        memory_axis.set_title(f"{result.name}: cache memory allocated per call (0: warm-up)")
-        memory_axis.set_ylabel("MB")
-        for axis in (time_axis, memory_axis):
-            axis.set_xlabel("call")
-            axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+        memory_axis.set_title(f"{result.name}: cache MB allocated per call (0: warm-up)")
+        memory_axis.set_xlabel("call")
+        memory_axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+        memory_axis.legend(fontsize=6)
+        for axis in (wall_axis, step_axis, memory_axis):
             axis.grid(alpha=0.3)
-        time_axis.legend(fontsize=7)
-        memory_axis.legend(fontsize=7)
     figure.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     figure.savefig(path, dpi=100)

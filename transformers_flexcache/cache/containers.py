@@ -291,15 +291,20 @@ class FlexibleStaticCache(Cache):
             target = with_headroom(target, held, self.length_name, config)
         if exceeded:
             logger.warning("%s grows (one reallocation): %s", type(self).__name__, overflow_message(exceeded))
-        self._apply_reservation(target, config)
+        self._apply_reservation(target, config, need=need)
 
-    def _apply_reservation(self, target: Mapping[str, int], config: CacheConfig) -> None:
-        """Grow to `target` (the capacities of this cache named in it), and keep `config`'s limits for the call."""
+    def _apply_reservation(self, target: Mapping[str, int], config: CacheConfig, *, need: Mapping[str, int]) -> None:
+        """Grow to `target` (the capacities of this cache named in it), and keep `config`'s limits for the call; tell
+        each attention layer the positions the call needs (the bucketed layer sizes its attention span from them)."""
         names = [name for name in self.capacities() if name in target]
         self.on_overflow = config.on_overflow
         limits = {name: config.limit(name) or target[name] for name in names}
         self._call_limits = limits if config.on_overflow == "error" else {}
         self._grow_to(target)
+        if self.length_name in need:
+            for layer in self.layers:
+                if isinstance(layer, FlexibleStaticLayer):
+                    layer.plan_call(cache_len=need[self.length_name], config=config)
 
     def _grow_to(self, target: Mapping[str, int]) -> None:
         self.max_prompt_len = max(self.max_prompt_len, target.get("max_prompt_len", 0))
@@ -642,14 +647,15 @@ class FlexibleCrossAttentionCache(FlexibleStaticCache):
     Its live length is the encoder length that the current call wrote. Its layers keep exact Python-int lengths in
     every shape policy: the cache is written once per call (a model can ask `get_seq_length` whether it was, without a
     host sync), and the padded policy pads the encoder output to `max_encoder_len`, so its shapes are already fixed.
-    With `shape_policy="padded"` its storage is only marked as a static address, for CUDA graphs.
+    With a fixed-shape policy (`"padded"`, `"bucketed"`) its storage is only marked as a static address, for CUDA
+    graphs.
     """
 
     length_name = "max_encoder_len"
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        if self.shape_policy == "padded":
+        if ATTENTION_LAYER_CLASSES[self.shape_policy].is_compileable:  # the fixed-shape policies
             for layer in self.layers:
                 layer.mark_static_address()
 
@@ -856,8 +862,8 @@ class FlexibleEncoderDecoderCache(EncoderDecoderCache):
             target = with_headroom(target, held, self.self_attention_cache.length_name, config)
         if exceeded:
             logger.warning("%s grows (one reallocation): %s", type(self).__name__, overflow_message(exceeded))
-        self.self_attention_cache._apply_reservation(target, config)
-        self.cross_attention_cache._apply_reservation(target, config)
+        self.self_attention_cache._apply_reservation(target, config, need=need)
+        self.cross_attention_cache._apply_reservation(target, config, need=need)
 
     # --- ownership ----------------------------------------------------------------------------------------------
     def renewed(self) -> FlexibleEncoderDecoderCache:

@@ -3,13 +3,16 @@
 Shape legend: `B` live batch, `B_max` rows of storage, `H` kv heads of this layer (on this rank), `S` new tokens,
 `L` live length, `L_max` capacity along the length axis, `D` head dim.
 
-Two layer classes, one per way of running a call (the `shape_policy` of `CacheConfig`):
+Three layer classes, one per way of running a call (the `shape_policy` of `CacheConfig`):
 - `FlexibleStaticLayer` ("exact"): `update` writes rows `[:B]` at `[L : L + S]` and returns views `[:B, :, : L + S]`,
   so attention never reads a row or a position that the current call did not write, and `reset` only sets counters
   back to zero. Lengths are Python ints: no host sync in eager, but a new shape to `torch.compile` at every step.
 - `FlexiblePaddedLayer` ("padded"): `update` writes with `index_copy_` at positions counted by a 0-d tensor with a
   static address and returns all `L_max` positions of the call's rows, leaving the unwritten ones to the attention
   mask (as upstream's `StaticLayer`), so that a compiled decode step sees one set of shapes.
+- `FlexibleBucketedLayer` ("bucketed"): as padded, but attention spans `W` positions, the call's decoder length
+  bucket (`plan_call`), not `L_max`: `update` returns `[:B, :, :W]`, so that a compiled decode step sees one set of
+  shapes per (rows bucket, length bucket) and a short call does not attend over the whole capacity.
 
 Layers never check capacities: the caches in `containers.py` do, before anything is written.
 """
@@ -151,6 +154,11 @@ class FlexibleStaticLayer(CacheLayerMixin):
         # Same as DynamicLayer: the mask spans exactly the live length plus the new tokens.
         return self.seq_len + query_length, 0
 
+    def plan_call(self, *, cache_len: int, config) -> None:
+        """Told by the cache, before a call, the decoder positions it needs (`cache_len`) and its `CacheConfig`.
+        Only the bucketed layer uses it."""
+        return None
+
     def get_seq_length(self) -> int:
         return self.seq_len
 
@@ -235,12 +243,16 @@ class FlexiblePaddedLayer(FlexibleStaticLayer):
     def values(self) -> torch.Tensor:  # [B, H, L_max, D]
         return self._value_storage[: self.batch_size]
 
+    def _attended(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # -> 2 x [B, H, L_max, D]: the positions attention spans
+        return self._key_storage[:batch_size], self._value_storage[:batch_size]
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         # key_states: [B, H, S, D] -> 2 x [B, H, L_max, D]
         batch_size, num_new = key_states.shape[0], key_states.shape[-2]
         positions = torch.arange(num_new, device=self.device) + self.cumulative_length  # [S]
         self.cumulative_length.add_(num_new)  # in place: the address stays static
-        keys, values = self._key_storage[:batch_size], self._value_storage[:batch_size]
+        keys, values = self._attended(batch_size)
         keys.index_copy_(2, positions, key_states)
         values.index_copy_(2, positions, value_states)
         self.batch_size = batch_size
@@ -285,5 +297,47 @@ class FlexiblePaddedLayer(FlexibleStaticLayer):
         self.mark_static_address()
 
 
+class FlexibleBucketedLayer(FlexiblePaddedLayer):
+    """The "bucketed" mode: as `FlexiblePaddedLayer`, with attention over the call's decoder length bucket.
+
+    Before each call the cache tells the layer the decoder positions the call needs (`plan_call`); attention then
+    spans `window_len` positions, the smallest bucket of `max_cache_len` that holds them (`CacheConfig.bucket_for`),
+    instead of the whole capacity: `update` returns views `[:B, :, :W]` and `get_mask_sizes` returns `W`. Within a
+    call `W` is fixed, so a compiled decode step guards on one value of it per bucket: one graph per (rows, encoder
+    length, decoder length) bucket, a number known in advance. The rows `B` are the call's, padded to a bucket by
+    `BucketedPolicy`.
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.window_len = self.max_cache_len  # until a call is planned: the whole capacity, as padded
+
+    def plan_call(self, *, cache_len: int, config) -> None:
+        self.window_len = min(
+            config.bucket_for("max_cache_len", cache_len, capacity=self.max_cache_len), self.max_cache_len
+        )
+
+    def _attended(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # -> 2 x [B, H, W, D]
+        window = self.window_len
+        return self._key_storage[:batch_size, :, :window], self._value_storage[:batch_size, :, :window]
+
+    @property
+    def keys(self) -> torch.Tensor:  # [B, H, W, D]
+        return self._attended(self.batch_size)[0]
+
+    @property
+    def values(self) -> torch.Tensor:  # [B, H, W, D]
+        return self._attended(self.batch_size)[1]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # Attention spans the call's length bucket; the mask hides the positions not written yet.
+        return self.window_len, 0
+
+
 # The attention layer class of each `shape_policy`.
-ATTENTION_LAYER_CLASSES = {"exact": FlexibleStaticLayer, "padded": FlexiblePaddedLayer}
+ATTENTION_LAYER_CLASSES = {
+    "exact": FlexibleStaticLayer,
+    "padded": FlexiblePaddedLayer,
+    "bucketed": FlexibleBucketedLayer,
+}

@@ -223,4 +223,10 @@ class FlexiblePaddedLinearAttentionLayer(FlexibleLinearAttentionLayer):
 
 
 # The linear-attention layer class of each `shape_policy`.
-LINEAR_ATTENTION_LAYER_CLASSES = {"exact": FlexibleLinearAttentionLayer, "padded": FlexiblePaddedLinearAttentionLayer}
+# Bucketed mode runs each call at a bucket of rows, fixed within the call: the padded layer serves it (a compiled step
+# guards on the live batch, one graph per rows bucket), and the states have no length axis to bucket.
+LINEAR_ATTENTION_LAYER_CLASSES = {
+    "exact": FlexibleLinearAttentionLayer,
+    "padded": FlexiblePaddedLinearAttentionLayer,
+    "bucketed": FlexiblePaddedLinearAttentionLayer,
+}

@@ -23,6 +23,10 @@ Design decisions:
   slots shift left by one with a gather at a tensor offset, so a compiled step sees the same graph before and after
   the window fills. Its `get_mask_sizes` runs outside compiled code (`generate` builds masks before the forward) and
   reads the live length from the device; a multi-token update after the prefill (a continuation) does too.
+- The bucketed layer is the padded one, except while its slots are fewer than the window (`max_cache_len <
+  sliding_window`: no position ever leaves, the layer is a full-attention one of `C` slots): attention then spans the
+  call's decoder length bucket, as `FlexibleBucketedLayer`. Once positions can leave, it spans the `C` slots, which
+  the window bounds.
 - `crop` (assisted generation) works as long as no position has left the storage; after that a rollback cannot be
   undone (upstream's layers refuse too, unless they record the past).
 """
@@ -281,5 +285,42 @@ class FlexiblePaddedSlidingWindowLayer(_SlidingWindowStorage, FlexiblePaddedLaye
         self.max_batch_size, self.max_cache_len = max_batch_size, max_cache_len
 
 
+class FlexibleBucketedSlidingWindowLayer(FlexiblePaddedSlidingWindowLayer):
+    """The "bucketed" mode of a sliding-window layer: padded, with attention over the call's decoder length bucket
+    while no position can leave the slots (module docstring)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.attended_len = self.window_len  # until a call is planned: every slot, as padded
+
+    def plan_call(self, *, cache_len: int, config) -> None:
+        if self.window_len < self.sliding_window:
+            self.attended_len = min(
+                config.bucket_for("max_cache_len", cache_len, capacity=self.window_len), self.window_len
+            )
+        else:
+            self.attended_len = self.window_len
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        # -> 2 x [B, H, A, D] with A the attended bucket while it is below the slots; else as the padded layer
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        if self.attended_len < self.window_len and keys.shape[2] == self.window_len:
+            return keys[:, :, : self.attended_len], values[:, :, : self.attended_len]
+        return keys, values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.window_len < self.sliding_window:
+            return self.attended_len, 0
+        return super().get_mask_sizes(query_length)
+
+    def grow(self, *, max_batch_size: int, max_cache_len: int) -> None:
+        super().grow(max_batch_size=max_batch_size, max_cache_len=max_cache_len)
+        self.attended_len = self.window_len
+
+
 # The sliding-window layer class of each `shape_policy`.
-SLIDING_LAYER_CLASSES = {"exact": FlexibleSlidingWindowLayer, "padded": FlexiblePaddedSlidingWindowLayer}
+SLIDING_LAYER_CLASSES = {
+    "exact": FlexibleSlidingWindowLayer,
+    "padded": FlexiblePaddedSlidingWindowLayer,
+    "bucketed": FlexibleBucketedSlidingWindowLayer,
+}

@@ -1,0 +1,66 @@
+"""What the benchmark measures: bytes of a decode step, compile time apart from warm time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.model_cases import LLAMA
+from transformers_flexcache.bench.command import bench_buckets
+from transformers_flexcache.bench.measure import CallRecord, DecodeStepBytes, summarize
+
+
+def test_decode_step_bytes_are_every_weight_the_step_reads_with_embeddings_by_rows_and_the_live_cache():
+    upstream, _ = LLAMA.build("sdpa")
+    config = upstream.config
+    inputs = LLAMA.make_inputs(3, 5, torch.Generator().manual_seed(0))
+    with DecodeStepBytes(upstream, step=3) as counted:  # the second decode step
+        upstream.generate(**inputs, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    item = 4  # float32
+    embedding = upstream.get_input_embeddings().weight
+    everything_else = sum(p.numel() for p in upstream.parameters()) - embedding.numel()
+    assert counted.weight_bytes == (everything_else + 3 * config.hidden_size) * item  # one token per row
+    # before the second decode step the cache holds the prompt and one generated token per row, all layers
+    head_dim = config.hidden_size // config.num_attention_heads
+    per_position = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * item
+    assert counted.cache_bytes == 3 * (5 + 1) * per_position
+
+
+def record(wall_s, compile_s, batch_size=2, steps=(0.01, 0.02)):
+    return CallRecord(
+        wall_s=wall_s, num_tokens=4, tokens=torch.zeros(batch_size, 2), step_s=list(steps), compile_s=compile_s
+    )
+
+
+def test_compile_time_counts_warm_up_and_stream_and_the_warm_wall_time_leaves_the_stream_compile_out():
+    figures = summarize([record(10.0, 8.0), record(1.0, 0.0)], warm_up=record(30.0, 29.0))
+    assert figures["compile_s"] == pytest.approx(37.0)
+    assert figures["wall_s"] == pytest.approx(11.0)
+    assert figures["warm_wall_s"] == pytest.approx(3.0)
+    assert figures["tokens_per_s"] == pytest.approx(8 / 3.0)
+
+
+def test_largest_batch_step_is_the_median_step_of_the_calls_at_the_largest_batch():
+    calls = [record(1.0, 0.0, batch_size=8, steps=(0.03, 0.05, 0.04)), record(1.0, 0.0, batch_size=1, steps=(0.01,))]
+    assert summarize(calls)["largest_batch_step_ms"] == pytest.approx(40.0)
+
+
+@pytest.mark.parametrize(
+    ("encoder_decoder", "capacities", "expected"),
+    [
+        (
+            True,
+            {"max_batch_size": 8, "max_cache_len": 13, "max_encoder_len": 48},
+            {"max_batch_size": [4], "max_encoder_len": [24]},
+        ),
+        (
+            False,
+            {"max_batch_size": 8, "max_cache_len": 60, "max_prompt_len": 48},
+            {"max_batch_size": [4], "max_prompt_len": [24], "max_cache_len": [35]},
+        ),
+    ],
+)
+def test_bench_buckets_halve_each_capacity_and_follow_decoder_only_prompts_to_their_decoder_length(
+    encoder_decoder, capacities, expected
+):
+    assert bench_buckets(capacities, encoder_decoder=encoder_decoder, new_tokens=12) == expected

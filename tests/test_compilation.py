@@ -1,0 +1,120 @@
+"""The compiled path on CPU: `compile_config_for_cpu()`, and freezing that is in force while a flexible generate traces.
+
+Dynamo decides while tracing whether parameters become graph constants (torch==2.13.0 reads inductor's global
+`freezing` then), so `torch.compile(options={"freezing": True})` alone is ignored; `compile_settings` puts it in force
+for the flexible fixed-shape generate calls that ask for it. A recording backend sees what dynamo hands to inductor.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import CompileConfig
+
+from tests.helpers import assert_same_generation, generate_both
+from tests.model_cases import LLAMA
+from transformers_flexcache import compile_config_for_cpu
+from transformers_flexcache.compilation import compile_settings
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def recording_backend(seen: list):
+    """A backend that records, per graph, whether freezing was on and how many parameters are graph constants."""
+
+    def backend(graph_module, example_inputs, **kwargs):
+        constants = sum(node.op == "get_attr" for node in graph_module.graph.nodes)
+        seen.append({"freezing": torch._inductor.config.freezing, "constants": constants})
+        return graph_module.forward
+
+    return backend
+
+
+def test_compile_config_for_cpu_freezes_weights_without_dynamic_shapes_and_compiles_on_cpu():
+    config = compile_config_for_cpu()
+    assert config.backend == "inductor" and config.dynamic is False and config.fullgraph is True
+    assert config.options == {"freezing": True} and config.mode is None
+    assert config._compile_all_devices is True
+    assert compile_config_for_cpu(cpp_wrapper=True).options == {"freezing": True, "cpp_wrapper": True}
+
+
+def test_compile_settings_put_freezing_in_force_for_the_context_only():
+    assert torch._inductor.config.freezing is False
+    with compile_settings(compile_config_for_cpu()):
+        assert torch._inductor.config.freezing is True
+    assert torch._inductor.config.freezing is False
+    with compile_settings(CompileConfig()):  # nothing asked: nothing changed
+        assert torch._inductor.config.freezing is False
+
+
+@pytest.mark.parametrize("shape_policy", ["padded", "bucketed"])
+def test_freezing_asked_in_compile_config_options_turns_parameters_into_constants_of_the_decode_graph(shape_policy):
+    upstream, flex = LLAMA.build("sdpa")
+    seen = []
+    compile_config = CompileConfig(
+        backend=recording_backend(seen), fullgraph=True, dynamic=False, mode=None, options={"freezing": True}
+    )
+    compile_config._compile_all_devices = True
+    inputs = LLAMA.make_inputs(2, 5, torch.Generator().manual_seed(0))
+    cache_config = {"shape_policy": shape_policy, "max_batch_size": 2, "max_cache_len": 12, "max_prompt_len": 6}
+    expected, actual = generate_both(
+        upstream,
+        flex,
+        inputs,
+        cache_config=cache_config,
+        max_new_tokens=4,
+        do_sample=False,
+        compile_config=compile_config,
+    )
+    assert_same_generation(expected, actual)
+    assert [graph["freezing"] for graph in seen] == [True]
+    # every weight of the tiny Llama that a decode step reads is a graph constant, none a graph input
+    assert seen[0]["constants"] >= sum(1 for name, _ in flex.named_parameters() if "embed_tokens" not in name)
+    assert torch._inductor.config.freezing is False  # put back after the call
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("grad_mode", ["no_grad (generate's own)", "inference_mode"])
+def test_frozen_inductor_bucketed_stream_after_warmup_gives_dynamic_cache_tokens(grad_mode):
+    # Real inductor with frozen, prepacked weights (a minute or two of compiling): scores within float tolerance.
+    from tests.model_cases import T5
+    from transformers_flexcache import warmup
+
+    upstream, flex = T5.build("sdpa")
+    compile_config = compile_config_for_cpu()
+    cache_config = {
+        "shape_policy": "bucketed",
+        "max_batch_size": 4,
+        "max_cache_len": 8,
+        "max_encoder_len": 12,
+        "buckets": {"max_batch_size": [2], "max_encoder_len": [6]},
+    }
+    generator = torch.Generator().manual_seed(0)
+    mode = torch.inference_mode() if grad_mode == "inference_mode" else torch.no_grad()
+    with mode:
+        warmup(
+            flex,
+            lambda b, n: T5.make_inputs(b, n, generator),
+            max_new_tokens=4,
+            cache_config=cache_config,
+            compile_config=compile_config,
+        )
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        for batch_size, length in [(3, 10), (1, 4), (4, 12), (2, 5)]:
+            inputs = T5.make_inputs(batch_size, length, generator)
+            expected, actual = generate_both(
+                upstream,
+                flex,
+                inputs,
+                cache_config=cache_config,
+                max_new_tokens=4,
+                do_sample=False,
+                compile_config=compile_config,
+            )
+            assert_same_generation(expected, actual, atol=1e-4)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs

@@ -1,0 +1,187 @@
+"""The compiled path: `compile_config_for_cpu()` for a fast decode step on CPU; `warmup()` compiles before serving.
+
+Design decisions:
+- One option, in upstream's own terms: `compile_config_for_cpu()` returns a `transformers.CompileConfig`, which
+  `generate(compile_config=...)` already takes for every cache (upstream's static cache too, so a comparison is
+  fair). Compiling is a property of the call, not of the cache: it does not belong in `cache_config`.
+- Its settings were measured on the benchmark's models (docs/performance.md): inductor with `freezing=True` (weights
+  become constants of the graph, so linear layers run prepacked oneDNN/MKL kernels and their layout conversions are
+  folded away) and `dynamic=False` (a graph per shape, which the fixed-shape policies bound; a dynamic graph would
+  give up the static sizes that make the kernels fast). `fullgraph=True`: a graph break would be a silent slow path.
+  `_compile_all_devices`: upstream's generate compiles on accelerators only unless told.
+- Freezing needs gradients off while compiling, which upstream's `generate` guarantees (`torch.no_grad`), and it must
+  be on while dynamo *traces*: dynamo decides then whether parameters become graph constants, reading inductor's
+  global `freezing` (torch==2.13.0: `torch._dynamo.utils.is_parameter_freezing`), and `torch.compile(options=...)`
+  only reaches inductor afterwards. So `options={"freezing": True}` alone is silently ignored (measured: the graph
+  kept `aten.mm` on parameter inputs). `compile_settings` sets it for the duration of each flexible fixed-shape
+  `generate` call whose `compile_config` asks for it (`PaddedPolicy.generate`), and puts the previous value back.
+  Graphs keep what they were compiled with, so later calls reuse them. What freezing costs: weights changed after a
+  graph was compiled are not seen by it (the graph holds its own constants), and the prepacked copies take memory
+  beside the model's parameters.
+- `warmup()` runs one short call per shape of `PaddedPolicy.call_shapes`, so that every graph the shape policy can
+  need is compiled (and, under `mode="reduce-overhead"`, recorded as a CUDA graph) before the first request
+  (padded: one shape; bucketed: one per combination of buckets).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from transformers import CompileConfig
+from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
+
+from .cache import CacheConfig
+from .request import FLEXIBLE_STATIC
+
+# Forwards of each warm-up call: the first, one decode step that compiles, one that records CUDA graphs.
+WARMUP_FORWARDS = 3
+# Inductor settings of `compile_config_for_cpu`, each measured (docs/performance.md, "Which inductor settings").
+CPU_INDUCTOR_OPTIONS = {"freezing": True}
+
+
+def compile_config_for_cpu(*, fullgraph: bool = True, **options) -> CompileConfig:
+    """A `CompileConfig` that compiles generate's decode step for speed on CPU.
+
+    Args:
+        fullgraph (`bool`, *optional*, defaults to `True`): fail on a graph break instead of running a slow path.
+        **options: inductor settings added to (or replacing) `CPU_INDUCTOR_OPTIONS`, e.g. `cpp_wrapper=True`.
+
+    Returns:
+        `CompileConfig`: inductor, `dynamic=False`, the options above; compiling on CPU enabled.
+
+    Example:
+
+    ```python
+    >>> out = model.generate(
+    ...     **inputs,
+    ...     cache_implementation="flexible_static",
+    ...     cache_config={"shape_policy": "bucketed", "max_batch_size": 8, "max_cache_len": 64, "max_encoder_len": 64},
+    ...     compile_config=compile_config_for_cpu(),
+    ... )
+    ```
+    """
+    config = CompileConfig(
+        fullgraph=fullgraph,
+        dynamic=False,
+        backend="inductor",
+        mode=None,  # torch.compile takes a mode or options, not both
+        options={**CPU_INDUCTOR_OPTIONS, **options},
+    )
+    config._compile_all_devices = True  # upstream's generate compiles on CPU only when told to
+    return config
+
+
+# Inductor settings that dynamo reads while tracing, so that `torch.compile(options=...)` comes too late for them.
+TRACE_TIME_OPTIONS = ("freezing",)
+
+
+@contextlib.contextmanager
+def compile_settings(compile_config: CompileConfig | None):
+    """Within this context, the inductor settings of `compile_config.options` that dynamo reads while tracing
+    (`TRACE_TIME_OPTIONS`) are in force, as the config asks; the previous values are restored afterwards.
+
+    It patches a global of inductor for the duration: compile (`warmup()`) before calls run in several threads.
+    """
+    options = getattr(compile_config, "options", None) or {}
+    patch = {name: options[name] for name in TRACE_TIME_OPTIONS if name in options}
+    if not patch:
+        yield
+        return
+    with torch._inductor.config.patch(patch):
+        yield
+
+
+class StopAfterSteps(StoppingCriteria):
+    """Stops every row after `num_steps` decoding steps: a warm-up call needs the graphs, not the tokens."""
+
+    def __init__(self, num_steps: int):
+        self.num_steps = num_steps
+        self.steps = 0
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        # input_ids: [rows, T] -> [rows]
+        self.steps += 1
+        return torch.full(
+            (input_ids.shape[0],), self.steps >= self.num_steps, dtype=torch.bool, device=input_ids.device
+        )
+
+
+def warmup(
+    model,
+    make_inputs,
+    *,
+    max_new_tokens: int,
+    cache_config,
+    compile_config: CompileConfig | None = None,
+    **generate_kwargs,
+) -> list:
+    """Compile every graph that calls under a fixed-shape `cache_config` can need, before serving any of them.
+
+    Runs one `generate` call per shape of the shape policy (`PaddedPolicy.call_shapes`: every rows bucket, prompt or
+    encoder length bucket and decoder length bucket that calls of up to `max_new_tokens` new tokens reach), each
+    stopped after three forwards: the first (eager, or a compiled prefill) and two decode steps, the first of which
+    compiles the shape's graph and the second of which records its CUDA graph (`mode="reduce-overhead"` runs a new
+    graph once before recording it). Afterwards no call within the capacities compiles or records anything.
+
+    Args:
+        model: a model with `flexible_static` in its generate (an override model).
+        make_inputs (`Callable[[int, int], dict]`): `make_inputs(batch_size, length)` returns generate inputs of
+            `batch_size` rows whose prompt (decoder-only) or encoder input (encoder-decoder) is `length` positions
+            long, e.g. `lambda b, n: {"input_ids": torch.full((b, n), 5)}`. For Whisper `length` can be ignored.
+        max_new_tokens (`int`): the most new tokens a served call will ask for.
+        cache_config (`dict` or `CacheConfig`): the `cache_config` of the served calls: a fixed-shape policy with
+            its capacities set.
+        compile_config (`CompileConfig`, *optional*): what the served calls pass; None when `model.forward` is
+            compiled already.
+        **generate_kwargs: other arguments the served calls pass (`num_beams` changes the rows per input).
+
+    Run it as the served calls run: dynamo guards on the grad mode, so served calls under `torch.inference_mode()`
+    need a warmup under it too (else they compile again).
+
+    Returns:
+        `list[CallShape]`: the shapes run (`transformers_flexcache.padding.CallShape`). Generate's `compile_config`
+        compiles one decode graph per distinct `(batch_size, cache_len)` (decoder-only) or `(batch_size, length,
+        cache_len)` (encoder-decoder); a compiled `model.forward` also one prefill graph per shape.
+
+    Raises:
+        ValueError: the policy is `"exact"`, a capacity is not set, `max_new_tokens` does not fit, or there are more
+            shapes than dynamo keeps graphs of one function (`torch._dynamo.config.recompile_limit`): the others would
+            run eagerly, without a word.
+    """
+    from .padding import POLICIES  # padding.py imports this module
+
+    config = CacheConfig.parse(cache_config)
+    policy = POLICIES[config.shape_policy]
+    if not policy.fixed_shapes:
+        raise ValueError(
+            f'warmup needs a fixed-shape policy, not shape_policy={config.shape_policy!r}: pass cache_config={{"shape_'
+            'policy": "bucketed", ...}} (or "padded"); the exact policy compiles a new graph for every shape'
+        )
+    generation_config = model.generation_config
+    expand = max(
+        generate_kwargs.get("num_beams", generation_config.num_beams) or 1,
+        generate_kwargs.get("num_return_sequences", generation_config.num_return_sequences) or 1,
+    )
+    shapes = policy.call_shapes(model, config, max_new_tokens=max_new_tokens, expand=expand)
+    limit = torch._dynamo.config.recompile_limit
+    if len(shapes) > limit:
+        raise ValueError(
+            f"{len(shapes)} shapes to compile exceed torch._dynamo.config.recompile_limit={limit}: dynamo would run "
+            f"the calls of the others eagerly; set torch._dynamo.config.recompile_limit = {len(shapes)} (or more) "
+            'first, or list fewer sizes in cache_config["buckets"]'
+        )
+    for shape in shapes:
+        stopping = StoppingCriteriaList(
+            [*(generate_kwargs.get("stopping_criteria") or []), StopAfterSteps(WARMUP_FORWARDS)]
+        )
+        model.generate(
+            **make_inputs(shape.batch_size, shape.length),
+            **{**generate_kwargs, "stopping_criteria": stopping},
+            cache_implementation=FLEXIBLE_STATIC,
+            cache_config=config.to_dict(),
+            compile_config=compile_config,
+            max_new_tokens=shape.max_new_tokens,
+            min_new_tokens=min(WARMUP_FORWARDS, shape.max_new_tokens),
+        )
+    return shapes

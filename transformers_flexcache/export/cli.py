@@ -172,12 +172,12 @@ def run(args, parser=None) -> int:
     total = time.perf_counter()
 
     def report(stage: str, seconds: float, detail: str = "") -> None:
-        print(f"{stage:>9}  {seconds:7.1f} s  {detail}", flush=True)
+        print(f"{stage:>13}  {seconds:7.1f} s  {detail}".rstrip(), flush=True)
 
     started = time.perf_counter()
     model = load_model(args.model_dir, resolved["config"], args.dtype)
     num_parameters = sum(p.numel() for p in model.parameters())
-    report("load", time.perf_counter() - started, f"{type(model).__name__}, {num_parameters / 1e6:.1f}M parameters")
+    report("load", time.perf_counter() - started, f"{type(model).__name__}, {num_parameters:,} parameters")
     if args.quantize != "none":
         started = time.perf_counter()
         count = quantize_model_(model, args.quantize)
@@ -195,12 +195,12 @@ def run(args, parser=None) -> int:
         backend=args.backend,
         on_stage=lambda name, seconds: report(name, seconds, f"backend {args.backend}" if name == "lower" else ""),
     )
-    print(f"{'total':>9}  {time.perf_counter() - total:7.1f} s")
+    print(f"{'total':>13}  {time.perf_counter() - total:7.1f} s")
     print(f"wrote {lowering.path} ({_megabytes(lowering.pte_bytes)})")
     print(f"  methods: {', '.join(programs.programs)} (+ metadata: {', '.join(sorted(lowering.metadata))})")
     print(f"  capacities: {', '.join(f'{k}={v}' for k, v in capacities.items())}")
     print(f"  cache buffers (planned once, shared): {_megabytes(lowering.shared_bytes)}")
     for name, num_bytes in lowering.planned_bytes.items():
-        partitions = lowering.num_partitions.get(name, 0)
-        print(f"  planned memory of {name}: {_megabytes(num_bytes)} ({partitions} XNNPACK partitions)")
+        partitions = f" ({lowering.num_partitions[name]} XNNPACK partitions)" if args.backend == "xnnpack" else ""
+        print(f"  planned memory of {name}: {_megabytes(num_bytes)}{partitions}")
     return 0

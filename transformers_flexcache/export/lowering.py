@@ -128,8 +128,6 @@ def program_metadata(runner) -> dict:
 
 
 def _partitioners(backend: str) -> list:
-    if backend == "portable":
-        return []
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 
     return [XnnpackPartitioner()]
@@ -146,6 +144,7 @@ def lower_to_executorch(
     path: str | os.PathLike,
     *,
     backend: str = "xnnpack",
+    methods: tuple[str, ...] | None = None,
     on_stage: Callable[[str, float], None] | None = None,
 ) -> LoweringReport:
     """Lower every method of `runner` (an `ExportedPrograms`) into one `.pte` at `path`, the cache buffers shared.
@@ -156,6 +155,8 @@ def lower_to_executorch(
         backend (`str`, *optional*, defaults to `"xnnpack"`): `"xnnpack"` delegates what XNNPACK runs (linear layers,
             attention matmuls, norms, ...); `"portable"` keeps ExecuTorch's portable kernels only (lowers faster,
             runs slower).
+        methods (`tuple[str, ...]`, *optional*): the methods to lower (default: all). Decoder-only programs may leave
+            out `forward` (ExecuTorch's LLM runner) or `prefill`/`decode` (our runners); lowering time is per method.
         on_stage (`Callable[[str, float], None]`, *optional*): called after each stage with its name and seconds.
 
     Returns:
@@ -163,11 +164,17 @@ def lower_to_executorch(
 
     Raises:
         ImportError: executorch is not installed (`pip install "transformers-flexcache[executorch]"`).
-        ValueError: an unknown `backend`.
+        ValueError: an unknown `backend`, or `methods` that the program does not have.
     """
     check_backend(backend)
+    programs = runner.programs
+    if methods is not None:
+        unknown = sorted(set(methods) - set(programs))
+        if unknown or not methods:
+            raise ValueError(f"methods={list(methods)}: this program has {sorted(programs)}; pick some of them")
+        programs = {name: programs[name] for name in methods}
     try:
-        from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
+        from executorch.exir import ExecutorchBackendConfig, to_edge, to_edge_transform_and_lower
         from executorch.exir.passes import MemoryPlanningPass
     except ImportError as error:
         raise ImportError(
@@ -182,16 +189,17 @@ def lower_to_executorch(
 
     metadata = program_metadata(runner)
     started = time.perf_counter()
-    with _xnnpack_passes_limited_to_each_partition() if backend == "xnnpack" else contextlib.nullcontext():
-        edge = to_edge_transform_and_lower(
-            runner.programs,
-            partitioner=_partitioners(backend),
-            constant_methods=metadata,
-        )
+    if backend == "xnnpack":
+        with _xnnpack_passes_limited_to_each_partition():
+            edge = to_edge_transform_and_lower(programs, partitioner=_partitioners(backend), constant_methods=metadata)
+    else:
+        # Without a partitioner, `to_edge` decomposes each method once; `to_edge_transform_and_lower` would first
+        # functionalize it in a run of its own (a whole re-trace more).
+        edge = to_edge(programs, constant_methods=metadata)
     stage("lower", started)
     num_partitions = {
         name: sum("call_delegate" in str(node.target) for node in edge.exported_program(name).graph.nodes)
-        for name in runner.programs
+        for name in programs
     }
     started = time.perf_counter()
     program = edge.to_executorch(
@@ -207,7 +215,7 @@ def lower_to_executorch(
     with open(path, "wb") as file:
         program.write_to_file(file)
     stage("write", started)
-    planned, shared = _planned_memory(program, runner)
+    planned, shared = _planned_memory(program, runner, programs)
     return LoweringReport(
         path=os.fspath(path),
         seconds=seconds,
@@ -219,12 +227,12 @@ def lower_to_executorch(
     )
 
 
-def _planned_memory(program, runner) -> tuple[dict[str, int], int]:
+def _planned_memory(program, runner, programs) -> tuple[dict[str, int], int]:
     """Planned bytes per method, and the bytes of the cache buffers (shared by the methods)."""
     planned = {
         plan.name: int(sum(plan.non_const_buffer_sizes))
         for plan in program.executorch_program.execution_plan
-        if plan.name in runner.programs
+        if plan.name in programs
     }
     shared = sum(buffer.nbytes for _, buffer in runner.wrapper.named_buffers(recurse=False))
     return planned, int(shared)

@@ -327,10 +327,11 @@ class ExecuTorchPrograms(ProgramRunner):
             capacities={name: int(self.metadata[name]) for name in CAPACITY_NAMES if name in self.metadata},
             encoder_input=encoder_input,
         )
-        missing = set(self.method_names) - names
-        if missing:
-            raise ValueError(f"{path} lacks the methods {sorted(missing)}; write it with to_executorch")
-        self._methods = {name: self.program.load_method(name) for name in self.method_names}
+        present = [name for name in self.method_names if name in names]
+        needed = {"encoder", "text_decoder"} if is_encoder_decoder else {"forward"}
+        if not (needed <= set(present) or {"prefill", "decode"} <= set(present)):
+            raise ValueError(f"{path} has methods {sorted(names)}; write it with to_executorch")
+        self._methods = {name: self.program.load_method(name) for name in present}
 
     def _is_constant(self, name: str) -> bool:
         return self.program.metadata(name).num_inputs() == 0
@@ -340,4 +341,6 @@ class ExecuTorchPrograms(ProgramRunner):
         return values[0] if len(values) == 1 else list(values)
 
     def _run(self, method_name: str, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        if method_name not in self._methods:
+            raise ValueError(f"{self.path} was lowered without {method_name}; lower it with that method")
         return self._methods[method_name].execute(list(inputs))[0]

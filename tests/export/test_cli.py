@@ -1,9 +1,9 @@
 """`python -m transformers_flexcache export`: tiny saved checkpoints of every supported model type to `.pte` files,
 run in ExecuTorch's runtime against upstream's eager `generate` (DynamicCache).
 
-The command runs in this process (`main([...])`), so the package under test is this checkout's, and each model type
-is exported once (module fixture) with portable kernels: one-layer models lower in seconds that way, and XNNPACK is
-covered by tests/export/test_executorch.py.
+The command runs in this process (tests/export/conftest.py), so the package under test is this checkout's; each
+model type is exported once per session, one layer per stack, with portable kernels (XNNPACK lowering takes longer;
+it is covered by tests/export/test_executorch.py).
 """
 
 from __future__ import annotations

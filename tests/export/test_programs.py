@@ -19,8 +19,9 @@ from tests.export.helpers import (
     assert_matches_eager_for_every_shape,
     assert_same_greedy,
 )
-from tests.model_cases import BART, LLAMA, PIX2STRUCT, T5, WHISPER, WHISPER_MAX_SOURCE_POSITIONS
+from tests.model_cases import BART, JAMBA, LLAMA, PIX2STRUCT, T5, WHISPER, WHISPER_MAX_SOURCE_POSITIONS
 from transformers_flexcache.export import (
+    ExportableDecoderOnly,
     ExportableEncoderDecoder,
     ExportedPrograms,
     export_decoder_only,
@@ -256,3 +257,9 @@ def test_greedy_generate_is_generate_without_sampling(llama):
         greedy_generate(programs, **inputs, max_new_tokens=4), generate(programs, **inputs, max_new_tokens=4)
     )
     assert_same_greedy(programs, upstream, inputs, "greedy", new_tokens=4)
+
+
+def test_exportable_wrapper_refuses_jamba_whose_mamba_layers_it_does_not_cover():
+    _, flex = JAMBA.build()
+    with pytest.raises(ValueError, match=r"has \['linear_attention'\] layers, which export does not cover"):
+        ExportableDecoderOnly(flex, max_batch_size=2, max_cache_len=8)

@@ -95,8 +95,15 @@ class _ExportableBase(nn.Module):
 
     def _register_self_attention_buffers(self, model: nn.Module) -> None:
         # Per decoder layer: keys and values `[B_max * H * L_max, D]`, rows laid out [B_max, H, L_max].
+        shapes = layer_shapes(model.config)
+        other = sorted({layer_type for layer_type, _, _ in shapes if layer_type != "full_attention"})
+        if other:
+            raise ValueError(
+                f"{type(model).__name__} has {other} layers, which export does not cover: the buffers hold attention "
+                "keys/values only (Jamba's Mamba states: see docs/export.md, 'Jamba')"
+            )
         self.num_heads = []
-        for i, (_, num_heads, head_dim) in enumerate(layer_shapes(model.config)):
+        for i, (_, num_heads, head_dim) in enumerate(shapes):
             shape = (self.max_batch_size * num_heads * self.max_cache_len, head_dim)
             self.register_buffer(f"self_keys_{i}", torch.zeros(shape, dtype=model.dtype), persistent=False)
             self.register_buffer(f"self_values_{i}", torch.zeros(shape, dtype=model.dtype), persistent=False)

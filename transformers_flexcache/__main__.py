@@ -2,6 +2,7 @@
 
 Subcommands:
     bench   run a stream of generate calls under each cache strategy and compare time, memory and outputs
+    export  export a saved checkpoint to one ExecuTorch .pte that serves every batch and length up to its capacities
 """
 
 from __future__ import annotations
@@ -30,6 +31,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_arguments(bench_parser)
     bench_parser.set_defaults(handler=bench.run, subparser=bench_parser)
+    from .export import cli as export_cli
+
+    export_parser = subcommands.add_parser(
+        "export",
+        help="export a saved checkpoint to one ExecuTorch .pte (flexible cache as buffers)",
+        description=(
+            "Export a checkpoint folder (save_pretrained) of a supported model type to one ExecuTorch .pte whose "
+            "methods serve every batch up to --max-batch-size and every length up to the capacities, on one planned "
+            "cache. Prints each stage with its seconds, then the methods, capacities, file size and planned memory."
+        ),
+    )
+    export_cli.add_arguments(export_parser)
+    export_parser.set_defaults(handler=export_cli.run, subparser=export_parser)
     return parser
 
 

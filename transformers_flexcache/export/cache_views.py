@@ -1,8 +1,18 @@
-"""The cache of one call of an exported program: flexible-cache objects over views of the wrapper's buffers.
+"""The cache of one call of an exported program: flexible-cache objects over the wrapper's packed buffers.
 
 Shapes as in `transformers_flexcache.export`. These classes allocate nothing: the wrapper module owns the storage
 (registered buffers) and builds these objects in each call, so that the model's own code reads and writes the
 buffers through the flexible cache's public methods (`update`, `get_kv`, `get_seq_length`, `get_mask_sizes`).
+
+Design decisions:
+- A layer's keys (and values) are one 2-d buffer `[N_max, D]`, rows of head-dim vectors, read as a prefix
+  `[:B * H * L]` viewed as `[B, H, L, D]`. Writes are `index_put_` with one 1-d index along dim 0, which ExecuTorch
+  runs in place (its portable `index_put_` supports exactly that case) once `run_reinplace_pass` is on; slicing a
+  4-d buffer `[:B, :, start:end]` and writing into it would instead cost a copy of the whole buffer per layer and step
+  (functionalization turns it into `slice_scatter` plus a write-back).
+- Self-attention rows are laid out `[B_max, H, L_max]` (row `(b * H + h) * L_max + position`), so a call's batch is
+  a prefix. Cross-attention keys/values are packed for the call's encoder length: `[B, H, L_enc]` from row 0, so
+  that a call's view is a prefix too, whatever `L_enc`.
 """
 
 from __future__ import annotations
@@ -10,38 +20,76 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, EncoderDecoderCache
 
-from ..cache import FlexibleCrossAttentionCache, FlexibleEncoderDecoderCache, FlexibleStaticCache, FlexibleStaticLayer
+from ..cache import (
+    FlexibleCrossAttentionCache,
+    FlexibleEncoderDecoderCache,
+    FlexibleStaticCache,
+    FlexibleStaticLayer,
+    layer_specs_from_config,
+)
+
+
+def layer_shapes(config) -> list[tuple[str, int, int]]:
+    """`(layer_type, num_kv_heads, head_dim)` per decoder layer of `config`, from the cache's layer specs."""
+    return [(spec.layer_type, spec.num_heads, spec.k_head_dim) for spec in layer_specs_from_config(config)]
+
+
+def packed_view(storage: torch.Tensor, batch_size, num_heads: int, length) -> torch.Tensor:
+    """The prefix of `storage` `[N_max, D]` that holds `[batch_size, num_heads, length, D]`, as that view."""
+    # storage: [N_max, D] -> [B, H, L, D]
+    return storage[: batch_size * num_heads * length].view(batch_size, num_heads, length, storage.shape[-1])
+
+
+def self_attention_rows(batch_size, num_heads: int, max_cache_len: int, cache_position: torch.Tensor) -> torch.Tensor:
+    """Rows of a self-attention storage that hold positions `cache_position` of rows `[:B]`: `[B * H * S]`."""
+    # cache_position: [S] -> [B * H * S], ordered as key_states [B, H, S, D] flattened
+    rows = torch.arange(batch_size * num_heads, device=cache_position.device) * max_cache_len  # [B * H]
+    return (rows[:, None] + cache_position[None, :]).reshape(-1)
 
 
 class BufferViewLayer(FlexibleStaticLayer):
-    """A `FlexibleStaticLayer` over storage owned by an export wrapper (its registered buffers), not allocated here.
+    """A `FlexibleStaticLayer` over packed storage owned by an export wrapper (its registered buffers).
 
-    `batch_size` and `seq_len` may be symbolic sizes read from the call's input shapes, so `update` and `get_kv`
-    return exact views `[:B, :, :L]` whose sizes are dynamic dimensions of the exported program.
+    Used for cross-attention: `update` packs the call's keys/values from row 0 and `get_kv` reads them back, as
+    `[B, H, L_enc, D]`. `batch_size` and `seq_len` may be symbolic sizes read from the call's input shapes.
     """
 
-    def __init__(self, *, key_storage: torch.Tensor, value_storage: torch.Tensor, batch_size, seq_len):
-        # key_storage, value_storage: [B_max, H, L_max, D], used in place
-        self.max_batch_size, self.num_heads, self.max_cache_len, _ = key_storage.shape
+    def __init__(
+        self,
+        *,
+        key_storage: torch.Tensor,
+        value_storage: torch.Tensor,
+        num_heads: int,
+        max_batch_size: int,
+        max_cache_len: int,
+        batch_size,
+        seq_len,
+    ):
+        # key_storage, value_storage: [N_max, D] with N_max = max_batch_size * num_heads * max_cache_len, used in place
+        self.num_heads, self.max_batch_size, self.max_cache_len = num_heads, max_batch_size, max_cache_len
         self.device = key_storage.device
         self._key_storage, self._value_storage = key_storage, value_storage
         self.batch_size, self.seq_len = batch_size, seq_len
         self.is_initialized = True
 
+    def get_kv(self, batch_size, length) -> tuple[torch.Tensor, torch.Tensor]:  # -> 2 x [B, H, length, D]
+        return (
+            packed_view(self._key_storage, batch_size, self.num_heads, length),
+            packed_view(self._value_storage, batch_size, self.num_heads, length),
+        )
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        # key_states: [B, H, S, D] -> 2 x [B, H, L + S, D]
-        # index_copy_ into rows [:B] (contiguous for any B) rather than copy_ into [:B, :, L : L + S]: tracing a copy
-        # into a view that is contiguous only at L + S == L_max would specialize the program on that length.
-        batch_size, num_new = key_states.shape[0], key_states.shape[-2]
-        positions = torch.arange(num_new, device=key_states.device) + self.seq_len
-        self._key_storage[:batch_size].index_copy_(2, positions, key_states)
-        self._value_storage[:batch_size].index_copy_(2, positions, value_states)
-        self.batch_size, self.seq_len = batch_size, self.seq_len + num_new
-        return self.get_kv(batch_size, self.seq_len)
+        # key_states: [B, H, L_enc, D] -> 2 x [B, H, L_enc, D]; written once per sequence, packed from row 0
+        batch_size, _, num_new, head_dim = key_states.shape
+        rows = torch.arange(batch_size * self.num_heads * num_new, device=key_states.device)
+        self._key_storage.index_put_((rows,), key_states.reshape(-1, head_dim))
+        self._value_storage.index_put_((rows,), value_states.reshape(-1, value_states.shape[-1]))
+        self.batch_size, self.seq_len = batch_size, num_new
+        return self.get_kv(batch_size, num_new)
 
 
 class PositionedLayer(BufferViewLayer):
-    """Self-attention over whole buffer rows, written at the tensor positions `cache_position`.
+    """Self-attention over whole rows `[B, H, L_max, D]`, written at the tensor positions `cache_position`.
 
     Positions are data, not shapes, so one program serves every step. As for upstream's `StaticLayer`, keys span
     `L_max` and the model masks the slots past the positions: its causal mask starts at `get_seq_length()`.
@@ -49,16 +97,36 @@ class PositionedLayer(BufferViewLayer):
 
     is_compileable = True  # keys span L_max: the mask must be built, never skipped as a plain causal one
 
-    def __init__(self, *, key_storage: torch.Tensor, value_storage: torch.Tensor, batch_size, cache_position):
-        super().__init__(key_storage=key_storage, value_storage=value_storage, batch_size=batch_size, seq_len=0)
+    def __init__(
+        self,
+        *,
+        key_storage: torch.Tensor,
+        value_storage: torch.Tensor,
+        num_heads: int,
+        max_batch_size: int,
+        max_cache_len: int,
+        batch_size,
+        cache_position: torch.Tensor,
+        rows: torch.Tensor | None = None,
+    ):
+        super().__init__(
+            key_storage=key_storage,
+            value_storage=value_storage,
+            num_heads=num_heads,
+            max_batch_size=max_batch_size,
+            max_cache_len=max_cache_len,
+            batch_size=batch_size,
+            seq_len=0,
+        )
         self.cache_position = cache_position  # [S]
+        # [B * H * S]: where this call writes; shared by the layers of one call (one computation in the graph)
+        self.rows = self_attention_rows(batch_size, num_heads, max_cache_len, cache_position) if rows is None else rows
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         # key_states: [B, H, S, D] -> 2 x [B, H, L_max, D]
-        keys, values = self._key_storage[: self.batch_size], self._value_storage[: self.batch_size]
-        keys.index_copy_(2, self.cache_position, key_states)
-        values.index_copy_(2, self.cache_position, value_states)
-        return keys, values
+        self._key_storage.index_put_((self.rows,), key_states.reshape(-1, key_states.shape[-1]))
+        self._value_storage.index_put_((self.rows,), value_states.reshape(-1, value_states.shape[-1]))
+        return self.get_kv(self.batch_size, self.max_cache_len)
 
     def get_seq_length(self) -> torch.Tensor:
         return self.cache_position[0]
@@ -68,7 +136,7 @@ class PositionedLayer(BufferViewLayer):
 
 
 class BufferViewCache(FlexibleStaticCache):
-    """A `FlexibleStaticCache` of `BufferViewLayer`s: capacities are the buffers' shapes, nothing is allocated."""
+    """A `FlexibleStaticCache` of `BufferViewLayer`s: nothing is allocated, nothing grows."""
 
     def __init__(self, *, layers: list[BufferViewLayer]):
         Cache.__init__(self, layers=layers)
@@ -85,7 +153,14 @@ class PositionedCache(BufferViewCache):
 
 
 class BufferViewCrossAttentionCache(BufferViewCache, FlexibleCrossAttentionCache):
-    """The cross-attention cache of a call: exact views `[:B, :, :L_enc]` of the cross-attention buffers."""
+    """The cross-attention cache of a call: the packed `[B, H, L_enc, D]` keys/values of the sequence."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        # key_states: [B, H, L_enc, D] -> 2 x [B, H, L_enc, D]; capacities are checked by the runners
+        return self.layers[layer_idx].update(key_states, value_states)
+
+    def get_kv(self, layer_idx: int, batch_size, length) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.layers[layer_idx].get_kv(batch_size, length)
 
 
 class BufferViewEncoderDecoderCache(FlexibleEncoderDecoderCache):

@@ -1,6 +1,6 @@
-"""The modules that `torch.export` traces, and the functions that export them.
+"""The modules that `torch.export` traces, and the function that exports them.
 
-Shapes and design as in `transformers_flexcache.export`.
+Shapes, methods and design as in `transformers_flexcache.export`.
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ import torch
 from torch import nn
 from torch.export import Dim, ExportedProgram
 
-from ..cache import layer_specs_from_config
 from ..modeling import FlexModelMixin
 from .cache_views import (
     BufferViewCrossAttentionCache,
@@ -17,8 +16,18 @@ from .cache_views import (
     BufferViewLayer,
     PositionedCache,
     PositionedLayer,
+    layer_shapes,
+    packed_view,
+    self_attention_rows,
 )
-from .runners import ENCODER_INPUTS, ExportedPrograms
+from .rewrites import export_friendly, infer_symbolic_view_dims
+
+# What an encoder-decoder `encoder` method takes: token ids, Whisper's log-mel frames, Pix2Struct's patches, or the
+# encoder's output itself.
+ENCODER_INPUTS = ("input_ids", "input_features", "flattened_patches", "encoder_hidden_states")
+FLOAT_INPUTS = ("input_features", "flattened_patches", "encoder_hidden_states")
+# Keyword of the model's forward that masks cross-attention, where it is not `attention_mask`.
+_ENCODER_MASK_KEYWORDS = {"whisper": "encoder_attention_mask"}
 
 
 def _check_model(model: nn.Module, *, encoder_decoder: bool) -> None:
@@ -35,22 +44,16 @@ def _check_model(model: nn.Module, *, encoder_decoder: bool) -> None:
         raise TypeError(f"{type(model).__name__} is {kind} model; wrap it in {fix}")
 
 
-# Keyword of the model's forward that masks cross-attention, where it is not `attention_mask`.
-_ENCODER_MASK_KEYWORDS = {"whisper": "encoder_attention_mask"}
-
-
 def _check_encoder_input(model: nn.Module, encoder_input: str, max_encoder_len: int) -> None:
     if encoder_input not in ENCODER_INPUTS:
         raise ValueError(f"encoder_input={encoder_input!r} is not one of {ENCODER_INPUTS}")
-    if encoder_input == "input_ids" and model.main_input_name != "input_ids":
+    if encoder_input != "encoder_hidden_states" and model.main_input_name != encoder_input:
         raise ValueError(
-            f"{type(model).__name__}'s encoder takes {model.main_input_name}, not input_ids; pass "
+            f"{type(model).__name__}'s encoder takes {model.main_input_name}, not {encoder_input}; pass "
             f"encoder_input={model.main_input_name!r} or 'encoder_hidden_states'"
         )
     if encoder_input == "input_features":
-        fixed_len = getattr(model.config, "max_source_positions", None)
-        if fixed_len is None or model.main_input_name != "input_features":
-            raise ValueError(f"{type(model).__name__}'s encoder does not take input_features; pass encoder_input=None")
+        fixed_len = model.config.max_source_positions
         if max_encoder_len != fixed_len:
             raise ValueError(
                 f"max_encoder_len={max_encoder_len}, but input_features always give max_source_positions={fixed_len} "
@@ -59,56 +62,118 @@ def _check_encoder_input(model: nn.Module, encoder_input: str, max_encoder_len: 
             )
 
 
-def _check_capacities(**capacities: int) -> None:
+# Names of the decoder's cross-attention modules in the supported models (T5, BART/Whisper, Pix2Struct).
+_CROSS_ATTENTION_NAMES = ("EncDecAttention", "encoder_attn", "encoder_decoder_attention")
+
+
+def _cross_attention_projections(model: nn.Module) -> list | None:
+    """Per decoder layer, the function that projects encoder outputs into that layer's cross-attention keys/values.
+
+    They are the overrides' `_flex_project_kv` (`[B, L_enc, d] -> 2 x [B, H, L_enc, D]`, what their forward calls on a
+    first decoder step), found on the decoder's cross-attention modules; `None` when some layer has none.
+    """
+    found = {}
+    for name, module in model.get_decoder().named_modules():
+        if any(part in _CROSS_ATTENTION_NAMES for part in name.split(".")) and hasattr(module, "_flex_project_kv"):
+            found[module.layer_idx] = module._flex_project_kv
+    num_layers = len(layer_shapes(model.config))
+    if sorted(found) != list(range(num_layers)):
+        return None
+    return [found[i] for i in range(num_layers)]
+
+
+def check_capacities(**capacities: int) -> None:
+    """Raise `ValueError` unless every capacity is a positive int."""
     for name, value in capacities.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive int")
 
 
 class _ExportableBase(nn.Module):
+    method_names: tuple[str, ...] = ()
+    capacity_names: tuple[str, ...] = ()
+
     def _register_self_attention_buffers(self, model: nn.Module) -> None:
-        self.num_layers = 0
-        for i, spec in enumerate(layer_specs_from_config(model.config)):
-            shape = (self.max_batch_size, spec.num_heads, self.max_cache_len, spec.k_head_dim)
+        # Per decoder layer: keys and values `[B_max * H * L_max, D]`, rows laid out [B_max, H, L_max]. A
+        # sliding-window layer is stored as a full one: every position of a row stays, and the sliding-window mask
+        # that the model builds over absolute positions (kv_offset 0) hides those outside the window, so a program
+        # attends to exactly what DynamicSlidingWindowLayer keeps, at the memory of a full-attention layer.
+        shapes = layer_shapes(model.config)
+        attention = ("full_attention", "sliding_attention")
+        other = sorted({layer_type for layer_type, _, _ in shapes if layer_type not in attention})
+        if other:
+            raise ValueError(
+                f"{type(model).__name__} has {other} layers, which export does not cover: the buffers hold attention "
+                "keys/values only (Jamba's Mamba states: see docs/export.md, 'Jamba')"
+            )
+        self.num_heads = []
+        for i, (_, num_heads, head_dim) in enumerate(shapes):
+            shape = (self.max_batch_size * num_heads * self.max_cache_len, head_dim)
             self.register_buffer(f"self_keys_{i}", torch.zeros(shape, dtype=model.dtype), persistent=False)
             self.register_buffer(f"self_values_{i}", torch.zeros(shape, dtype=model.dtype), persistent=False)
-            self.num_layers += 1
+            self.num_heads.append(num_heads)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.num_heads)
 
     def _self_attention_cache(self, batch_size, cache_position: torch.Tensor) -> PositionedCache:
+        rows = {
+            num_heads: self_attention_rows(batch_size, num_heads, self.max_cache_len, cache_position)
+            for num_heads in set(self.num_heads)
+        }
         layers = [
             PositionedLayer(
                 key_storage=self.get_buffer(f"self_keys_{i}"),
                 value_storage=self.get_buffer(f"self_values_{i}"),
+                num_heads=num_heads,
+                max_batch_size=self.max_batch_size,
+                max_cache_len=self.max_cache_len,
                 batch_size=batch_size,
                 cache_position=cache_position,
+                rows=rows[num_heads],
             )
-            for i in range(self.num_layers)
+            for i, num_heads in enumerate(self.num_heads)
         ]
         return PositionedCache(layers=layers)
 
-    def _zero_self_attention_rows(self, batch_size) -> None:
-        # Masked slots must hold finite values: ExecuTorch leaves mutable buffers uninitialized.
-        for i in range(self.num_layers):
-            self.get_buffer(f"self_keys_{i}")[:batch_size].zero_()
-            self.get_buffer(f"self_values_{i}")[:batch_size].zero_()
+    def _zero_self_attention_rows(self, batch_size, where: torch.Tensor | None = None) -> None:
+        """Zero rows `[:batch_size]` of every self-attention buffer (only where the 0-d `where` is true, if given).
+
+        ExecuTorch does not initialize mutable buffers, and a slot that the mask hides must still hold a finite value:
+        a NaN there would survive the mask. Written in place with `index_put_`, as the cache writes.
+        """
+        shared = {}  # (rows, zeros) per buffer shape: one computation in the graph for all layers
+        for i, num_heads in enumerate(self.num_heads):
+            for name in (f"self_keys_{i}", f"self_values_{i}"):
+                storage = self.get_buffer(name)
+                num_rows = batch_size * num_heads * self.max_cache_len
+                key = (num_heads, storage.shape[-1])
+                if key not in shared:
+                    rows = torch.arange(num_rows, device=storage.device)
+                    shared[key] = rows, storage.new_zeros(num_rows, storage.shape[-1])
+                rows, zeros = shared[key]
+                storage.index_put_((rows,), zeros if where is None else torch.where(where, zeros, storage[:num_rows]))
 
     def capacities(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.capacity_names}
 
 
 class ExportableEncoderDecoder(_ExportableBase):
-    """An encoder-decoder override model plus its flexible cache as registered buffers: `prefill` and `decode`.
+    """An encoder-decoder override model plus its flexible cache as registered buffers: `encoder` and `text_decoder`.
+
+    The method names are ExecuTorch's (its Whisper export and ASR runner use `encoder` and `text_decoder`); see the
+    package docstring for their inputs.
 
     Args:
         model: an override model (e.g. `FlexT5ForConditionalGeneration`), in eval mode.
         max_batch_size (`int`): rows of every buffer.
-        max_cache_len (`int`): decoder positions per row; greedy decoding of N new tokens uses N positions.
+        max_cache_len (`int`): decoder positions per row; decoding N new tokens after the start token uses N of them.
         max_encoder_len (`int`): encoder positions per row. With `encoder_input="input_features"` it must be the
             encoder's fixed output length, `config.max_source_positions`.
-        encoder_input (`str`, *optional*): what `prefill` feeds the encoder, one of `ENCODER_INPUTS`; defaults to
-            `model.main_input_name` (`"input_ids"` for T5 and BART, `"input_features"` for Whisper).
-            `"encoder_hidden_states"` skips the encoder: `prefill` takes its output, of any length up to
-            `max_encoder_len`, for any encoder-decoder model.
+        encoder_input (`str`, *optional*): what `encoder` takes, one of `ENCODER_INPUTS`; defaults to
+            `model.main_input_name`. `"encoder_hidden_states"` skips the encoder: `encoder` takes its output, of any
+            length up to `max_encoder_len`, and only writes the cross-attention keys/values.
 
     Raises:
         TypeError: `model` is not an encoder-decoder override model.
@@ -117,6 +182,7 @@ class ExportableEncoderDecoder(_ExportableBase):
     """
 
     is_encoder_decoder = True
+    method_names = ("encoder", "text_decoder")
     capacity_names = ("max_batch_size", "max_cache_len", "max_encoder_len")
 
     def __init__(
@@ -130,89 +196,127 @@ class ExportableEncoderDecoder(_ExportableBase):
     ):
         super().__init__()
         _check_model(model, encoder_decoder=True)
-        _check_capacities(max_batch_size=max_batch_size, max_cache_len=max_cache_len, max_encoder_len=max_encoder_len)
+        check_capacities(max_batch_size=max_batch_size, max_cache_len=max_cache_len, max_encoder_len=max_encoder_len)
         self.encoder_input = model.main_input_name if encoder_input is None else encoder_input
         _check_encoder_input(model, self.encoder_input, max_encoder_len)
         self.model = model
         self.max_batch_size, self.max_cache_len, self.max_encoder_len = max_batch_size, max_cache_len, max_encoder_len
         self._register_self_attention_buffers(model)
-        for i, spec in enumerate(layer_specs_from_config(model.config)):
-            shape = (
-                max_batch_size,
-                spec.num_heads,
-                max_encoder_len + 1,
-                spec.k_head_dim,
-            )  # + 1: see the module docstring
+        for i, (_, num_heads, head_dim) in enumerate(layer_shapes(model.config)):
+            shape = (max_batch_size * num_heads * max_encoder_len, head_dim)
             self.register_buffer(f"cross_keys_{i}", torch.zeros(shape, dtype=model.dtype), persistent=False)
             self.register_buffer(f"cross_values_{i}", torch.zeros(shape, dtype=model.dtype), persistent=False)
-        hidden_size = model.config.get_text_config(decoder=True).hidden_size
-        shape = (max_batch_size, max_encoder_len + 1, hidden_size)
-        self.register_buffer("encoder_hidden_states", torch.zeros(shape, dtype=model.dtype), persistent=False)
+        self.hidden_size = model.config.get_text_config(decoder=True).hidden_size
+
+    @property
+    def masked(self) -> bool:
+        """Whether the methods take encoder masks: not for log-mel features, whose encoder length is fixed and full
+        (so that `encoder` and `text_decoder` have the inputs of ExecuTorch's ASR runner)."""
+        return self.encoder_input != "input_features"
+
+    @property
+    def _encoder_mask_keyword(self) -> str:
+        # Whisper's encoder takes no mask; its decoder's cross-attention mask comes from `encoder_attention_mask`,
+        # which model_overrides/whisper.py adds. The others mask both encoder and cross-attention with
+        # `attention_mask`.
+        return _ENCODER_MASK_KEYWORDS.get(self.model.config.model_type, "attention_mask")
 
     def _cache(self, batch_size, cache_position: torch.Tensor, encoder_len) -> BufferViewEncoderDecoderCache:
-        # encoder_len: 0 while the cross-attention keys/values are still to be written (prefill)
+        # encoder_len: 0 while the cross-attention keys/values are still to be written (in `encoder`)
         cross_layers = [
             BufferViewLayer(
                 key_storage=self.get_buffer(f"cross_keys_{i}"),
                 value_storage=self.get_buffer(f"cross_values_{i}"),
+                num_heads=num_heads,
+                max_batch_size=self.max_batch_size,
+                max_cache_len=self.max_encoder_len,
                 batch_size=batch_size,
                 seq_len=encoder_len,
             )
-            for i in range(self.num_layers)
+            for i, num_heads in enumerate(self.num_heads)
         ]
         return BufferViewEncoderDecoderCache(
             self._self_attention_cache(batch_size, cache_position),
             BufferViewCrossAttentionCache(layers=cross_layers),
         )
 
-    def _encoder_kwargs(self, encoder_input: torch.Tensor, encoder_attention_mask: torch.Tensor) -> dict:
-        # encoder_input: [B, L_enc] ids, [B, L_enc, d_model] states or [B, num_mel_bins, 2 * L_enc] frames
-        kwargs = {self._encoder_mask_keyword: encoder_attention_mask}
+    def _decoder_mask(self, batch_size, device) -> torch.Tensor:
+        # [B, L_max] ones: the causal mask spans every cache position. Without it, some decoders (Pix2Struct) size
+        # their default mask by `get_seq_length()`, which is data here (`cache_position[0]`), not a shape.
+        return torch.ones(batch_size, self.max_cache_len, dtype=torch.long, device=device)
+
+    def encoder(self, encoder_input: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Start a sequence for rows `[:B]`: run the encoder, write every layer's cross-attention keys/values.
+
+        The keys/values are projected by each decoder layer's own cross-attention module (the overrides'
+        `_flex_project_kv`, as their forward does on a first decoder step); the rows' self-attention buffers are
+        zeroed. A model without those projections runs its decoder on one throw-away token instead, which writes
+        them through the cache (its self-attention slot, position 0, is overwritten by the first `text_decoder`).
+        """
+        # encoder_input: [B, L_enc] ids, [B, num_mel_bins, 2 * L_enc] frames, [B, L_enc, 2 + patch] patches or
+        # [B, L_enc, d_model] states; attention_mask: [B, L_enc] -> encoder_hidden_states [B, L_enc, d_model]
+        batch_size = encoder_input.shape[0]
+        self._zero_self_attention_rows(batch_size)
+        projections = _cross_attention_projections(self.model)
+        if projections is None:
+            return self._encoder_through_decoder(encoder_input, attention_mask)
+        if self.encoder_input == "encoder_hidden_states":
+            encoder_hidden_states = encoder_input.clone()  # a program output may not alias its input
+        else:
+            kwargs = {self.encoder_input: encoder_input}
+            if attention_mask is not None:
+                kwargs["attention_mask"] = attention_mask
+            encoder_hidden_states = self.model.get_encoder()(**kwargs)[0]
+        cache = self._cache(batch_size, torch.zeros(1, dtype=torch.long, device=encoder_input.device), encoder_len=0)
+        for layer_idx, project in enumerate(projections):
+            key_states, value_states = project(encoder_hidden_states)
+            cache.cross_attention_cache.update(key_states, value_states, layer_idx)
+        return encoder_hidden_states
+
+    def _encoder_through_decoder(
+        self, encoder_input: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        # encoder_input, attention_mask: as `encoder` -> [B, L_enc, d_model]
+        batch_size = encoder_input.shape[0]
+        kwargs = {} if attention_mask is None else {self._encoder_mask_keyword: attention_mask}
         if self.encoder_input == "encoder_hidden_states":
             kwargs["encoder_outputs"] = (encoder_input,)
         else:
             kwargs[self.encoder_input] = encoder_input
-        return kwargs
-
-    @property
-    def _encoder_mask_keyword(self) -> str:
-        # Whisper's encoder takes no mask; its decoder's cross-attention mask comes from `encoder_attention_mask`,
-        # which model_overrides/whisper.py adds. T5 and BART mask both encoder and cross-attention with
-        # `attention_mask`.
-        return _ENCODER_MASK_KEYWORDS.get(self.model.config.model_type, "attention_mask")
-
-    def prefill(
-        self,
-        encoder_input: torch.Tensor,
-        encoder_attention_mask: torch.Tensor,
-        decoder_input_ids: torch.Tensor,
-        cache_position: torch.Tensor,
-    ) -> torch.Tensor:
-        # encoder_input: see _encoder_kwargs; encoder_attention_mask: [B, L_enc]; decoder_input_ids: [B, S];
-        # cache_position: [S] -> [B, S, V]
-        batch_size = decoder_input_ids.shape[0]
-        self._zero_self_attention_rows(batch_size)
+        start = torch.zeros(batch_size, 1, dtype=torch.long, device=encoder_input.device)
         outputs = self.model(
-            **self._encoder_kwargs(encoder_input, encoder_attention_mask),
-            decoder_input_ids=decoder_input_ids,
-            cache=self._cache(batch_size, cache_position, encoder_len=0),
+            **kwargs,
+            decoder_input_ids=start,
+            decoder_attention_mask=self._decoder_mask(batch_size, start.device),
+            cache=self._cache(batch_size, torch.zeros(1, dtype=torch.long, device=start.device), encoder_len=0),
             use_cache=True,
         )
-        encoder_hidden_states = outputs.encoder_last_hidden_state  # [B, L_enc, d_model]
-        # Kept for decode, which passes it back to the model (T5 only reads its shape; other models may read more).
-        positions = torch.arange(encoder_hidden_states.shape[1], device=encoder_hidden_states.device)
-        self.encoder_hidden_states[:batch_size].index_copy_(1, positions, encoder_hidden_states)
-        return outputs.logits
+        encoder_hidden_states = outputs.encoder_last_hidden_state
+        if encoder_hidden_states is encoder_input:
+            encoder_hidden_states = encoder_hidden_states.clone()  # a program output may not alias its input
+        return encoder_hidden_states
 
-    def decode(
-        self, decoder_input_ids: torch.Tensor, cache_position: torch.Tensor, encoder_attention_mask: torch.Tensor
+    def text_decoder(
+        self,
+        decoder_input_ids: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        cache_position: torch.Tensor,
+        encoder_attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        # decoder_input_ids: [B, S]; cache_position: [S]; encoder_attention_mask: [B, L_enc] -> [B, S, V]
-        batch_size, encoder_len = encoder_attention_mask.shape
+        """One decoder step of rows `[:B]`, attending to the cross-attention keys/values that `encoder` wrote.
+
+        Only the shape of `encoder_hidden_states` is read (its length is the encoder length `L_enc`): the keys and
+        values come from the buffers, they are never projected again.
+        """
+        # decoder_input_ids: [B, 1]; encoder_hidden_states: [B, L_enc, d_model]; cache_position: [1];
+        # encoder_attention_mask: [B, L_enc] -> logits [B, 1, V]
+        batch_size, encoder_len = encoder_hidden_states.shape[:2]
+        kwargs = {} if encoder_attention_mask is None else {self._encoder_mask_keyword: encoder_attention_mask}
         outputs = self.model(
-            **{self._encoder_mask_keyword: encoder_attention_mask},
+            **kwargs,
             decoder_input_ids=decoder_input_ids,
-            encoder_outputs=(self.encoder_hidden_states[:batch_size, :encoder_len],),
+            decoder_attention_mask=self._decoder_mask(batch_size, decoder_input_ids.device),
+            encoder_outputs=(encoder_hidden_states,),
             cache=self._cache(batch_size, cache_position, encoder_len=encoder_len),
             use_cache=True,
         )
@@ -220,10 +324,11 @@ class ExportableEncoderDecoder(_ExportableBase):
 
 
 class ExportableDecoderOnly(_ExportableBase):
-    """A decoder-only override model plus its flexible cache as registered buffers: `prefill` and `decode`.
+    """A decoder-only override model plus its flexible cache as registered buffers: `prefill`, `decode`, `forward`.
 
-    Both methods take `(input_ids [B, S], attention_mask [B, L_max], position_ids [B, S], cache_position [S])`;
-    `prefill` starts a sequence (it zeroes the call's rows first), `decode` continues it.
+    `prefill` and `decode` take `(input_ids [B, S], attention_mask [B, L_max], position_ids [B, S],
+    cache_position [S])`: `prefill` starts a sequence for rows `[:B]` (it zeroes them first), `decode` continues it
+    one token at a time. `forward(tokens [1, S], cache_position [S])` is ExecuTorch's LLM-runner method on row 0.
 
     Args:
         model: an override model (e.g. `FlexLlamaForCausalLM`), in eval mode.
@@ -236,12 +341,14 @@ class ExportableDecoderOnly(_ExportableBase):
     """
 
     is_encoder_decoder = False
+    encoder_input = None
+    method_names = ("prefill", "decode", "forward")
     capacity_names = ("max_batch_size", "max_cache_len")
 
     def __init__(self, model: nn.Module, *, max_batch_size: int, max_cache_len: int):
         super().__init__()
         _check_model(model, encoder_decoder=False)
-        _check_capacities(max_batch_size=max_batch_size, max_cache_len=max_cache_len)
+        check_capacities(max_batch_size=max_batch_size, max_cache_len=max_cache_len)
         self.model = model
         self.max_batch_size, self.max_cache_len = max_batch_size, max_cache_len
         self._register_self_attention_buffers(model)
@@ -262,12 +369,19 @@ class ExportableDecoderOnly(_ExportableBase):
         self._zero_self_attention_rows(input_ids.shape[0])
         return self.decode(input_ids, attention_mask, position_ids, cache_position)
 
+    def forward(self, tokens: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+        """ExecuTorch's LLM-runner method: row 0, no padding; a call at position 0 starts a new sequence."""
+        # tokens: [1, S]; cache_position: [S] -> logits [1, S, V]
+        self._zero_self_attention_rows(1, where=cache_position[0] == 0)
+        attention_mask = torch.ones(1, self.max_cache_len, dtype=torch.long, device=tokens.device)
+        return self.decode(tokens, attention_mask, cache_position[None, :], cache_position)
+
 
 class _Method(nn.Module):
     """One method of an exportable wrapper as `forward`.
 
-    Both methods are traced through such a module holding the wrapper as `owner`, so the two programs name the
-    buffers alike (`owner.self_keys_0`, ...): that is how ExecuTorch matches them to share their memory.
+    Every method is traced through such a module holding the wrapper as `owner`, so the programs name the buffers
+    alike (`owner.self_keys_0`, ...): that is how ExecuTorch matches them to share their memory.
     """
 
     def __init__(self, owner: _ExportableBase, method_name: str):
@@ -286,111 +400,91 @@ def _dim(name: str, max_size: int) -> tuple[Dim, int]:
     return Dim(name, min=1, max=max_size), 2
 
 
-def _example_inputs(wrapper: _ExportableBase) -> dict[str, tuple[tuple[torch.Tensor, ...], tuple]]:
-    """Inputs to trace each method with, and their dynamic shapes."""
+def example_inputs(wrapper: _ExportableBase) -> dict[str, tuple[tuple[torch.Tensor, ...], tuple]]:
+    """Inputs to trace each method with, and their dynamic shapes (see the package docstring)."""
     batch, b = _dim("batch", wrapper.max_batch_size)
-    tokens, s = _dim("decoder_len", wrapper.max_cache_len)
-    ids = torch.zeros(b, s, dtype=torch.long)
-    positions = torch.arange(s)
+    device = next(wrapper.model.parameters()).device
     if wrapper.is_encoder_decoder:
-        config = wrapper.model.config
-        if wrapper.encoder_input == "input_features":
-            # The encoder's output length is fixed by the frames (2 per position): a static dimension.
-            encoder_len, e = Dim.STATIC, wrapper.max_encoder_len
-            encoder_input = torch.zeros(b, config.num_mel_bins, 2 * e, dtype=wrapper.model.dtype)
-            encoder_input_dims = {0: batch}
-        else:
-            encoder_len, e = _dim("encoder_len", wrapper.max_encoder_len)
-            if wrapper.encoder_input == "input_ids":
-                encoder_input = torch.zeros(b, e, dtype=torch.long)
-            else:  # encoder_hidden_states
-                encoder_input = torch.zeros(b, e, wrapper.encoder_hidden_states.shape[-1], dtype=wrapper.model.dtype)
-            encoder_input_dims = {0: batch, 1: encoder_len}
-        encoder_mask = torch.ones(b, e, dtype=torch.long)
-        return {
-            "prefill": (
-                (encoder_input, encoder_mask, ids, positions),
-                (encoder_input_dims, {0: batch, 1: encoder_len}, {0: batch, 1: tokens}, {0: tokens}),
-            ),
-            "decode": (
-                (ids, positions, encoder_mask),
-                ({0: batch, 1: tokens}, {0: tokens}, {0: batch, 1: encoder_len}),
-            ),
-        }
-    mask = torch.ones(b, wrapper.max_cache_len, dtype=torch.long)
+        return _encoder_decoder_inputs(wrapper, batch, b, device)
+    tokens, s = _dim("tokens", wrapper.max_cache_len)
+    ids, positions = torch.zeros(b, s, dtype=torch.long, device=device), torch.arange(s, device=device)
+    mask = torch.ones(b, wrapper.max_cache_len, dtype=torch.long, device=device)
     # Distinct tensors for distinct inputs: export would trace one tensor passed twice as a single input.
-    inputs = (
+    prefill = (
         (ids, mask, torch.zeros_like(ids), positions),
         ({0: batch, 1: tokens}, {0: batch}, {0: batch, 1: tokens}, {0: tokens}),
     )
-    return {"prefill": inputs, "decode": inputs}
+    step = torch.zeros(b, 1, dtype=torch.long, device=device)
+    decode = (
+        (step, mask.clone(), torch.zeros_like(step), torch.tensor([s], device=device)),
+        ({0: batch}, {0: batch}, {0: batch}, None),
+    )
+    forward = ((ids[:1].clone(), positions.clone()), ({1: tokens}, {0: tokens}))
+    return {"prefill": prefill, "decode": decode, "forward": forward}
+
+
+def _encoder_decoder_inputs(wrapper: ExportableEncoderDecoder, batch, b: int, device) -> dict:
+    config, dtype = wrapper.model.config, wrapper.model.dtype
+    if wrapper.encoder_input == "input_features":
+        # The encoder's output length is fixed by the frames (2 per position): a static dimension.
+        encoder_len, e = Dim.STATIC, wrapper.max_encoder_len
+        encoder_input = torch.zeros(b, config.num_mel_bins, 2 * e, dtype=dtype, device=device)
+    else:
+        encoder_len, e = _dim("encoder_len", wrapper.max_encoder_len)
+        if wrapper.encoder_input == "input_ids":
+            encoder_input = torch.zeros(b, e, dtype=torch.long, device=device)
+        elif wrapper.encoder_input == "flattened_patches":
+            width = config.vision_config.patch_embed_hidden_size + 2  # row and column ids, then the pixels
+            encoder_input = torch.zeros(b, e, width, dtype=dtype, device=device)
+            encoder_input[..., :2] = 1  # 1-based row/column ids
+        else:  # encoder_hidden_states
+            encoder_input = torch.zeros(b, e, wrapper.hidden_size, dtype=dtype, device=device)
+    encoder_input_dims = {0: batch} if encoder_len is Dim.STATIC else {0: batch, 1: encoder_len}
+    states = torch.zeros(b, e, wrapper.hidden_size, dtype=dtype, device=device)
+    step = (torch.zeros(b, 1, dtype=torch.long, device=device), states, torch.tensor([1], device=device))
+    step_dims = ({0: batch}, {0: batch, 1: encoder_len}, None)
+    if not wrapper.masked:
+        return {"encoder": ((encoder_input,), (encoder_input_dims,)), "text_decoder": (step, step_dims)}
+    mask_dims = {0: batch, 1: encoder_len}
+    return {
+        "encoder": (
+            (encoder_input, torch.ones(b, e, dtype=torch.long, device=device)),
+            (encoder_input_dims, mask_dims),
+        ),
+        "text_decoder": (
+            (*step, torch.ones(b, e, dtype=torch.long, device=device)),
+            (*step_dims, mask_dims),
+        ),
+    }
 
 
 def export_programs(wrapper: _ExportableBase) -> dict[str, ExportedProgram]:
-    """`torch.export` both methods of `wrapper`, with dynamic batch, encoder length and decoder tokens.
+    """`torch.export` every method of `wrapper`, with dynamic batch, encoder length and prompt tokens.
+
+    The model runs the rewrites of `rewrites.export_friendly` while it is traced (restored afterwards), and each
+    program gets `rewrites.infer_symbolic_view_dims`.
 
     Args:
         wrapper: an `ExportableEncoderDecoder` or `ExportableDecoderOnly`.
 
     Returns:
-        `{"prefill": ExportedProgram, "decode": ExportedProgram}`; their buffers are `wrapper`'s.
+        `{method name: ExportedProgram}`; their buffers are `wrapper`'s.
     """
     programs = {}
-    with torch.no_grad():
-        for name, (inputs, dynamic_shapes) in _example_inputs(wrapper).items():
+    with torch.no_grad(), export_friendly(wrapper.model):
+        for name, (inputs, dynamic_shapes) in example_inputs(wrapper).items():
             programs[name] = torch.export.export(
                 _Method(wrapper, name), inputs, dynamic_shapes=(dynamic_shapes,), strict=False
             )
+            infer_symbolic_view_dims(programs[name])
     return programs
 
 
-def export_encoder_decoder(
-    model: nn.Module,
-    *,
-    max_batch_size: int,
-    max_cache_len: int,
-    max_encoder_len: int,
-    encoder_input: str | None = None,
-) -> ExportedPrograms:
-    """Export an encoder-decoder override model: one program pair for every batch and encoder length that fits.
-
-    Args:
-        model: an override model (e.g. `FlexT5ForConditionalGeneration`), in eval mode.
-        max_batch_size (`int`), max_cache_len (`int`), max_encoder_len (`int`): the capacities.
-        encoder_input (`str`, *optional*): what `prefill` takes, as in `ExportableEncoderDecoder`: `"input_ids"`,
-            `"input_features"` (Whisper; fixed encoder length) or `"encoder_hidden_states"` (any model; encoder
-            length up to `max_encoder_len`). Defaults to `model.main_input_name`.
-
-    Returns:
-        `ExportedPrograms`: runs the exported `prefill` and `decode`, and lowers them with `to_executorch`.
-
-    Example:
-
-    ```python
-    >>> programs = export_encoder_decoder(model, max_batch_size=4, max_cache_len=32, max_encoder_len=64)
-    >>> tokens = greedy_generate(programs, input_ids, attention_mask, max_new_tokens=16, decoder_start_token_id=0)
-    >>> programs.to_executorch("t5.pte")
-    ```
-    """
-    wrapper = ExportableEncoderDecoder(
-        model,
-        max_batch_size=max_batch_size,
-        max_cache_len=max_cache_len,
-        max_encoder_len=max_encoder_len,
-        encoder_input=encoder_input,
-    )
-    return ExportedPrograms(wrapper, export_programs(wrapper))
-
-
-def export_decoder_only(model: nn.Module, *, max_batch_size: int, max_cache_len: int) -> ExportedPrograms:
-    """Export a decoder-only override model: one program pair for every batch and prompt length that fits.
-
-    Args:
-        model: an override model (e.g. `FlexLlamaForCausalLM`), in eval mode.
-        max_batch_size (`int`), max_cache_len (`int`): the capacities.
-
-    Returns:
-        `ExportedPrograms`: runs the exported `prefill` and `decode`, and lowers them with `to_executorch`.
-    """
-    wrapper = ExportableDecoderOnly(model, max_batch_size=max_batch_size, max_cache_len=max_cache_len)
-    return ExportedPrograms(wrapper, export_programs(wrapper))
+__all__ = [
+    "ENCODER_INPUTS",
+    "ExportableDecoderOnly",
+    "ExportableEncoderDecoder",
+    "example_inputs",
+    "export_programs",
+    "packed_view",
+]

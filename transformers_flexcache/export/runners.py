@@ -1,6 +1,8 @@
-"""Running exported programs: checks against the capacities, torch or ExecuTorch execution, greedy decoding.
+"""Running exported programs: checks against the capacities, then torch or ExecuTorch execution.
 
-Shapes and program signatures as in `transformers_flexcache.export`.
+Shapes and method contracts as in `transformers_flexcache.export`. A runner checks every call in Python before a
+program runs, so that a call beyond a capacity, or out of order, raises a `ValueError` that names the value, the
+limit and the fix, instead of a kernel error or an out-of-bounds write in the runtime.
 """
 
 from __future__ import annotations
@@ -11,75 +13,54 @@ import torch
 from torch import nn
 from torch.export import ExportedProgram
 
-METHOD_NAMES = ("prefill", "decode")
-# What an encoder-decoder `prefill` takes first: token ids, Whisper's log-mel frames, or the encoder's output.
-ENCODER_INPUTS = ("input_ids", "input_features", "encoder_hidden_states")
-FLOAT_INPUTS = ("input_features", "encoder_hidden_states")
-_DECODER_ONLY_INPUTS = ("input_ids", "attention_mask", "position_ids", "cache_position")
+from .modules import ENCODER_INPUTS, FLOAT_INPUTS
+
+CAPACITY_NAMES = ("max_batch_size", "max_cache_len", "max_encoder_len")
 
 
 def input_names(is_encoder_decoder: bool, encoder_input: str | None, method_name: str) -> tuple[str, ...]:
     """The names of the tensors that `method_name` of such a program takes, in order."""
     if not is_encoder_decoder:
-        return _DECODER_ONLY_INPUTS
-    if method_name == "prefill":
-        return (encoder_input, "attention_mask", "decoder_input_ids", "cache_position")
-    return ("decoder_input_ids", "cache_position", "encoder_attention_mask")
+        if method_name == "forward":
+            return ("tokens", "cache_position")
+        return ("input_ids", "attention_mask", "position_ids", "cache_position")
+    masked = encoder_input != "input_features"
+    if method_name == "encoder":
+        return (encoder_input, "attention_mask") if masked else (encoder_input,)
+    step = ("decoder_input_ids", "encoder_hidden_states", "cache_position")
+    return (*step, "encoder_attention_mask") if masked else step
 
 
 class ProgramRunner:
-    """Checks each call against the capacities, then runs `prefill` or `decode`. Subclasses say how to run.
+    """Checks each call against the capacities and the sequence started, then runs a method. Subclasses say how.
 
     Attributes:
-        is_encoder_decoder (`bool`): which signature `prefill` and `decode` have (see the module docstring).
+        is_encoder_decoder (`bool`): which methods the program has (see the package docstring).
         capacities (`dict[str, int]`): `max_batch_size`, `max_cache_len` and, for encoder-decoder, `max_encoder_len`.
-        encoder_input (`str` or `None`): what an encoder-decoder `prefill` takes first, one of `ENCODER_INPUTS`.
+        encoder_input (`str` or `None`): what an encoder-decoder `encoder` takes, one of `ENCODER_INPUTS`.
     """
 
     def __init__(self, *, is_encoder_decoder: bool, capacities: dict[str, int], encoder_input: str | None = None):
         self.is_encoder_decoder = is_encoder_decoder
         self.capacities = dict(capacities)
         self.encoder_input = encoder_input if is_encoder_decoder else None
-        self._started = None  # (batch, encoder length, next position) of the sequence that prefill started
+        # (method that started it, batch, encoder length, next position) of the sequence running, per row group
+        self._started: dict[str, tuple[int, int | None, int]] = {}
+
+    @property
+    def method_names(self) -> tuple[str, ...]:
+        return ("encoder", "text_decoder") if self.is_encoder_decoder else ("prefill", "decode", "forward")
 
     def _run(self, method_name: str, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
         raise NotImplementedError
 
-    def _fail(self, value_name: str, value: int, limit_name: str) -> None:
+    # --- checks ------------------------------------------------------------------------------------------------
+    def _fail_over(self, value_name: str, value: int, limit_name: str) -> None:
         limit = self.capacities[limit_name]
         if value > limit:
             raise ValueError(
                 f"{value_name}={value} exceeds {limit_name}={limit} of this exported program; export it again with "
                 f"{limit_name}={value} or more"
-            )
-
-    def _check(self, method_name: str, batch_size: int, num_new: int, cache_position, encoder_len) -> None:
-        if batch_size < 1 or num_new < 1:
-            raise ValueError(f"{method_name} needs at least one row and one token, got batch {batch_size}, {num_new}")
-        self._fail("batch_size", batch_size, "max_batch_size")
-        if encoder_len is not None:
-            self._fail("encoder_len", encoder_len, "max_encoder_len")
-        start = int(cache_position[0]) if cache_position.numel() else 0
-        if not torch.equal(cache_position, torch.arange(start, start + num_new)):
-            raise ValueError(
-                f"cache_position={cache_position.tolist()} must be arange({start}, {start + num_new}): one position "
-                "per new token, consecutive"
-            )
-        self._fail("decoder_len", start + num_new, "max_cache_len")
-        if method_name == "prefill":
-            return
-        if self._started is None:
-            raise ValueError("decode was called before prefill; call prefill to start a sequence")
-        started_batch, started_encoder_len, next_position = self._started
-        if (batch_size, encoder_len) != (started_batch, started_encoder_len):
-            raise ValueError(
-                f"decode got batch {batch_size} and encoder length {encoder_len}, but prefill started batch "
-                f"{started_batch} with encoder length {started_encoder_len}; call prefill to start another sequence"
-            )
-        if start > next_position:
-            raise ValueError(
-                f"cache_position starts at {start}, but positions from {next_position} were never written; "
-                f"continue from {next_position}"
             )
 
     def _inputs(self, method_name: str, inputs: tuple) -> tuple[torch.Tensor, ...]:
@@ -92,93 +73,199 @@ class ProgramRunner:
             for name, x in zip(names, inputs, strict=True)
         )
 
-    def prefill(self, *inputs: torch.Tensor) -> torch.Tensor:
-        """Start a sequence (see the module docstring for the inputs of each kind); returns logits `[B, S, V]`.
+    def _check_positions(self, method_name: str, cache_position: torch.Tensor, num_new: int, *, step: bool) -> int:
+        if cache_position.dim() != 1 or cache_position.numel() != num_new or num_new < 1:
+            raise ValueError(
+                f"{method_name} needs one cache_position per new token, got {tuple(cache_position.shape)} for {num_new}"
+            )
+        start = int(cache_position[0])
+        if step and num_new != 1:
+            raise ValueError(f"{method_name} takes one token per call, got {num_new}; call it once per token")
+        if not torch.equal(cache_position, torch.arange(start, start + num_new)):
+            raise ValueError(
+                f"cache_position={cache_position.tolist()} must be arange({start}, {start + num_new}): one position "
+                "per new token, consecutive"
+            )
+        self._fail_over("decoder_len", start + num_new, "max_cache_len")
+        return start
+
+    def _check_continues(self, key: str, method_name: str, batch_size: int, encoder_len, start: int, starter: str):
+        started = self._started.get(key)
+        if started is None:
+            raise ValueError(f"{method_name} was called before {starter}; call {starter} to start a sequence")
+        started_batch, started_encoder_len, next_position = started
+        if (batch_size, encoder_len) != (started_batch, started_encoder_len):
+            what = "batch" if encoder_len is None else "batch and encoder length"
+            raise ValueError(
+                f"{method_name} got {what} {(batch_size, encoder_len) if encoder_len is not None else batch_size}, but "
+                f"{starter} started {(started_batch, started_encoder_len) if encoder_len is not None else started_batch}"
+                f"; call {starter} to start another sequence"
+            )
+        if start > next_position:
+            raise ValueError(
+                f"cache_position starts at {start}, but positions from {next_position} were never written; "
+                f"continue from {next_position}"
+            )
+
+    def _advance(self, key: str, last_position: int) -> None:
+        batch_size, encoder_len, next_position = self._started[key]
+        self._started[key] = (batch_size, encoder_len, max(next_position, last_position + 1))
+
+    # --- encoder-decoder ---------------------------------------------------------------------------------------
+    def encoder(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """Start a sequence: `(encoder input [, attention_mask [B, L_enc]])` -> `encoder_hidden_states [B, L_enc, d]`.
 
         Raises:
             TypeError: not the inputs of this program.
-            ValueError: a batch, encoder length or position beyond the capacities, or malformed `cache_position`.
+            ValueError: a batch or encoder length beyond the capacities, or inputs of mismatched shapes.
         """
+        self._require(True, "encoder")
+        inputs = self._inputs("encoder", inputs)
+        encoder_input = inputs[0]
+        batch_size = encoder_input.shape[0]
+        encoder_len = self._encoder_len(encoder_input)
+        if len(inputs) == 2 and tuple(inputs[1].shape) != (batch_size, encoder_len):
+            raise ValueError(
+                f"attention_mask {tuple(inputs[1].shape)} does not fit {self.encoder_input} "
+                f"{tuple(encoder_input.shape)}: encoder needs attention_mask [batch, encoder length] = "
+                f"{(batch_size, encoder_len)}"
+            )
+        if batch_size < 1:
+            raise ValueError("encoder needs at least one row")
+        self._fail_over("batch_size", batch_size, "max_batch_size")
+        self._fail_over("encoder_len", encoder_len, "max_encoder_len")
+        encoder_hidden_states = self._run("encoder", inputs)
+        self._started["text_decoder"] = (batch_size, encoder_len, 0)
+        return encoder_hidden_states
+
+    def _encoder_len(self, encoder_input: torch.Tensor) -> int:
+        if self.encoder_input == "input_features":  # the encoder's output length is fixed, 2 frames per position
+            encoder_len = self.capacities["max_encoder_len"]
+            if encoder_input.dim() != 3 or encoder_input.shape[-1] != 2 * encoder_len:
+                raise ValueError(
+                    f"input_features {tuple(encoder_input.shape)}: encoder needs input_features "
+                    f"[batch, num_mel_bins, {2 * encoder_len}]"
+                )
+            return encoder_len
+        want_dim = 2 if self.encoder_input == "input_ids" else 3
+        if encoder_input.dim() != want_dim:
+            raise ValueError(f"{self.encoder_input} must have {want_dim} dims, got {tuple(encoder_input.shape)}")
+        return encoder_input.shape[1]
+
+    def text_decoder(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """One decoder token per row: `(decoder_input_ids [B, 1], encoder_hidden_states [B, L_enc, d],
+        cache_position [1] [, encoder_attention_mask [B, L_enc]])` -> logits `[B, 1, V]`.
+
+        Raises:
+            TypeError: not the inputs of this program.
+            ValueError: no `encoder` call started the sequence, another batch or encoder length than the `encoder`
+                call's, more than one token, a position beyond `max_cache_len` or a gap in positions.
+        """
+        self._require(True, "text_decoder")
+        inputs = self._inputs("text_decoder", inputs)
+        decoder_input_ids, encoder_hidden_states, cache_position = inputs[:3]
+        batch_size, encoder_len = encoder_hidden_states.shape[:2]
+        shapes_fit = decoder_input_ids.dim() == 2 and decoder_input_ids.shape[0] == batch_size
+        if len(inputs) == 4:
+            shapes_fit = shapes_fit and tuple(inputs[3].shape) == (batch_size, encoder_len)
+        if not shapes_fit:
+            raise ValueError(
+                f"text_decoder inputs of mismatched shapes {[tuple(x.shape) for x in inputs]}: it needs "
+                "decoder_input_ids [B, 1], encoder_hidden_states [B, L_enc, d] and encoder_attention_mask [B, L_enc]"
+            )
+        start = self._check_positions("text_decoder", cache_position, decoder_input_ids.shape[1], step=True)
+        self._check_continues("text_decoder", "text_decoder", batch_size, encoder_len, start, "encoder")
+        logits = self._run("text_decoder", inputs)
+        self._advance("text_decoder", start)
+        return logits
+
+    # --- decoder-only ------------------------------------------------------------------------------------------
+    def prefill(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """Start a sequence: `(input_ids [B, S], attention_mask [B, L_max], position_ids [B, S], cache_position [S])`
+        -> logits `[B, S, V]`.
+
+        Raises:
+            TypeError: not the inputs of this program.
+            ValueError: a batch or position beyond the capacities, or a malformed mask or `cache_position`.
+        """
+        self._require(False, "prefill")
         inputs = self._inputs("prefill", inputs)
-        if self.is_encoder_decoder:
-            encoder_input, attention_mask, decoder_input_ids, cache_position = inputs
-            self._check_encoder_inputs(encoder_input, attention_mask, decoder_input_ids)
-            batch_size, encoder_len = attention_mask.shape
-        else:
-            decoder_input_ids, attention_mask, _, cache_position = inputs
-            self._check_decoder_only_mask(decoder_input_ids, attention_mask)
-            batch_size, encoder_len = decoder_input_ids.shape[0], None
-        num_new = decoder_input_ids.shape[1]
-        self._check("prefill", batch_size, num_new, cache_position, encoder_len)
+        input_ids, cache_position = inputs[0], inputs[3]
+        self._check_decoder_only_inputs("prefill", inputs)
+        self._check_positions("prefill", cache_position, input_ids.shape[1], step=False)
         logits = self._run("prefill", inputs)
-        self._started = (batch_size, encoder_len, int(cache_position[-1]) + 1)
+        self._started["decode"] = (input_ids.shape[0], None, int(cache_position[-1]) + 1)
         return logits
 
     def decode(self, *inputs: torch.Tensor) -> torch.Tensor:
-        """Continue the sequence that `prefill` started; returns logits `[B, S, V]`.
+        """One token per row after `prefill`; the inputs of `prefill` with `S = 1`. Returns logits `[B, 1, V]`.
 
         Raises:
             TypeError: not the inputs of this program.
-            ValueError: as `prefill`, or a batch or encoder length other than the prefill's, or a gap in positions.
+            ValueError: as `prefill`, no `prefill` before, another batch than the `prefill`'s, or a gap in positions.
         """
+        self._require(False, "decode")
         inputs = self._inputs("decode", inputs)
-        if self.is_encoder_decoder:
-            decoder_input_ids, cache_position, encoder_attention_mask = inputs
-            batch_size, encoder_len = encoder_attention_mask.shape
-            if decoder_input_ids.shape[0] != batch_size:
-                raise ValueError(
-                    f"decoder_input_ids {tuple(decoder_input_ids.shape)} and encoder_attention_mask "
-                    f"{tuple(encoder_attention_mask.shape)} must have the same batch"
-                )
-        else:
-            decoder_input_ids, attention_mask, _, cache_position = inputs
-            self._check_decoder_only_mask(decoder_input_ids, attention_mask)
-            batch_size, encoder_len = decoder_input_ids.shape[0], None
-        self._check("decode", batch_size, decoder_input_ids.shape[1], cache_position, encoder_len)
+        input_ids, cache_position = inputs[0], inputs[3]
+        self._check_decoder_only_inputs("decode", inputs)
+        start = self._check_positions("decode", cache_position, input_ids.shape[1], step=True)
+        self._check_continues("decode", "decode", input_ids.shape[0], None, start, "prefill")
         logits = self._run("decode", inputs)
-        self._started = (*self._started[:2], max(self._started[2], int(cache_position[-1]) + 1))
+        self._advance("decode", start)
         return logits
 
-    def _check_encoder_inputs(
-        self, encoder_input: torch.Tensor, attention_mask: torch.Tensor, decoder_input_ids: torch.Tensor
-    ) -> None:
-        # encoder_input: [B, L_enc] ids, [B, L_enc, d_model] states or [B, num_mel_bins, 2 * L_enc] frames;
-        # attention_mask: [B, L_enc]; decoder_input_ids: [B, S]
-        batch_size = decoder_input_ids.shape[0]
-        if self.encoder_input == "input_ids":
-            fits = encoder_input.dim() == 2 and attention_mask.shape == encoder_input.shape
-            rule = "attention_mask of the shape of input_ids"
-        elif self.encoder_input == "encoder_hidden_states":
-            fits = encoder_input.dim() == 3 and attention_mask.shape == encoder_input.shape[:2]
-            rule = "attention_mask [batch, encoder length] of encoder_hidden_states [batch, encoder length, d_model]"
-        else:  # input_features: the encoder's output length is fixed, 2 frames per position
-            encoder_len = self.capacities["max_encoder_len"]
-            fits = (
-                encoder_input.dim() == 3
-                and encoder_input.shape[-1] == 2 * encoder_len
-                and attention_mask.shape == (encoder_input.shape[0], encoder_len)
-            )
-            rule = f"input_features [batch, num_mel_bins, {2 * encoder_len}] and attention_mask [batch, {encoder_len}]"
-        if not fits or attention_mask.shape[0] != batch_size:
-            raise ValueError(
-                f"{self.encoder_input} {tuple(encoder_input.shape)}, attention_mask {tuple(attention_mask.shape)} and "
-                f"decoder_input_ids {tuple(decoder_input_ids.shape)} do not fit: prefill needs {rule}, all of one batch"
-            )
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """ExecuTorch's LLM-runner method on row 0: `(tokens [1, S], cache_position [S])` -> logits `[1, S, V]`; a
+        call at position 0 starts a new sequence.
 
-    def _check_decoder_only_mask(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
-        want = (input_ids.shape[0], self.capacities["max_cache_len"])
+        Raises:
+            TypeError: not the inputs of this program.
+            ValueError: more than one row, a position beyond `max_cache_len`, or a gap in positions.
+        """
+        self._require(False, "forward")
+        tokens, cache_position = self._inputs("forward", inputs)
+        if tokens.dim() != 2 or tokens.shape[0] != 1:
+            raise ValueError(
+                f"forward takes tokens [1, S] (row 0 only), got {tuple(tokens.shape)}; use prefill/decode"
+            )
+        start = self._check_positions("forward", cache_position, tokens.shape[1], step=False)
+        if start > 0:
+            self._check_continues("forward", "forward", 1, None, start, "forward at position 0")
+        else:
+            self._started["forward"] = (1, None, 0)
+        # prefill/decode and forward share row 0: a forward sequence ends a prefill sequence, and the other way round
+        self._started.pop("decode", None)
+        logits = self._run("forward", (tokens, cache_position))
+        self._advance("forward", int(cache_position[-1]))
+        return logits
+
+    def _require(self, encoder_decoder: bool, method_name: str) -> None:
+        if self.is_encoder_decoder != encoder_decoder:
+            raise TypeError(f"this program has methods {self.method_names}, not {method_name}")
+        if method_name in ("prefill", "decode"):
+            self._started.pop("forward", None)
+
+    def _check_decoder_only_inputs(self, method_name: str, inputs: tuple[torch.Tensor, ...]) -> None:
+        input_ids, attention_mask, position_ids, _ = inputs
+        batch_size = input_ids.shape[0]
+        if batch_size < 1:
+            raise ValueError(f"{method_name} needs at least one row")
+        self._fail_over("batch_size", batch_size, "max_batch_size")
+        want = (batch_size, self.capacities["max_cache_len"])
         if tuple(attention_mask.shape) != want:
             raise ValueError(
                 f"attention_mask has shape {tuple(attention_mask.shape)}; it must cover every cache position: "
                 f"{want} (batch, max_cache_len)"
             )
+        if position_ids.shape != input_ids.shape:
+            raise ValueError(f"position_ids {tuple(position_ids.shape)} must have the shape of input_ids")
 
 
 class ExportedPrograms(ProgramRunner):
-    """The exported `prefill` and `decode` programs of one wrapper, run with `torch` (they share its buffers).
+    """The exported methods of one wrapper, run with `torch` (they share its buffers).
 
     Attributes:
-        programs (`dict[str, ExportedProgram]`): `prefill` and `decode`.
+        programs (`dict[str, ExportedProgram]`): one per method.
         wrapper: the `ExportableEncoderDecoder` / `ExportableDecoderOnly` that owns the buffers.
     """
 
@@ -186,72 +273,38 @@ class ExportedPrograms(ProgramRunner):
         super().__init__(
             is_encoder_decoder=wrapper.is_encoder_decoder,
             capacities=wrapper.capacities(),
-            encoder_input=getattr(wrapper, "encoder_input", None),
+            encoder_input=wrapper.encoder_input,
         )
         self.wrapper = wrapper
         self.programs = programs
-        # `ExportedProgram.module()` keeps the state tensors it is given, so both modules mutate the wrapper's buffers.
+        # `ExportedProgram.module()` keeps the state tensors it is given, so the modules mutate the wrapper's buffers.
         self._modules = {name: program.module() for name, program in programs.items()}
 
     def _run(self, method_name: str, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
         with torch.no_grad():
             return self._modules[method_name](*inputs)
 
-    def to_executorch(self, path: str | os.PathLike, *, backend: str | None = "xnnpack") -> str:
-        """Lower both programs into one ExecuTorch `.pte` at `path`, their cache buffers shared; returns the path.
+    def to_executorch(self, path: str | os.PathLike, **options) -> str:
+        """Lower every method into one ExecuTorch `.pte` at `path`; returns the path. Options as in
+        `transformers_flexcache.export.lowering.lower_to_executorch` (`backend`, ...)."""
+        from .lowering import lower_to_executorch
 
-        Args:
-            path: where to write the `.pte`.
-            backend (`str` or `None`, *optional*, defaults to `"xnnpack"`): `"xnnpack"` delegates what XNNPACK can
-                run (linear layers and more); `None` keeps ExecuTorch's portable kernels only (lowers faster).
-
-        Raises:
-            ImportError: executorch is not installed (`pip install "transformers-flexcache[executorch]"`).
-            ValueError: an unknown `backend`.
-        """
-        try:
-            from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
-            from executorch.exir.passes import MemoryPlanningPass
-        except ImportError as error:
-            raise ImportError(
-                'to_executorch needs executorch: pip install "transformers-flexcache[executorch]"'
-            ) from error
-        if backend == "xnnpack":
-            from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-
-            partitioner = [XnnpackPartitioner()]
-        elif backend is None:
-            partitioner = []
-        else:
-            raise ValueError(f"backend={backend!r} is not one of ('xnnpack', None)")
-        metadata = {**self.capacities, "is_encoder_decoder": int(self.is_encoder_decoder)}
-        if self.is_encoder_decoder:
-            metadata["encoder_input"] = ENCODER_INPUTS.index(self.encoder_input)
-        edge = to_edge_transform_and_lower(self.programs, partitioner=partitioner, constant_methods=metadata)
-        program = edge.to_executorch(
-            ExecutorchBackendConfig(
-                # One allocation of every cache buffer, shared by prefill and decode (matched by buffer name).
-                memory_planning_pass=MemoryPlanningPass(share_mutable_buffers=True),
-                emit_mutable_buffer_names=True,
-            )
-        )
-        with open(path, "wb") as file:
-            program.write_to_file(file)
-        return os.fspath(path)
+        return lower_to_executorch(self, path, **options).path
 
 
 class ExecuTorchPrograms(ProgramRunner):
-    """`prefill` and `decode` of a `.pte` written by `ExportedPrograms.to_executorch`, run in ExecuTorch's runtime.
+    """The methods of a `.pte` written by `to_executorch`, run in ExecuTorch's runtime.
 
     The capacities are read from the `.pte` itself. Its cache buffers persist between calls and are shared by the
-    two methods, as in the exported programs.
+    methods, as in the exported programs. All methods are loaded here, before any runs: loading one later would not
+    share the memory the others have written.
 
     Args:
         path: the `.pte` file.
 
     Raises:
         ImportError: executorch is not installed.
-        ValueError: the file has no `prefill` / `decode` methods or capacities (not written by `to_executorch`).
+        ValueError: the file lacks the methods or capacities that `to_executorch` writes.
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -261,127 +314,33 @@ class ExecuTorchPrograms(ProgramRunner):
             raise ImportError(
                 'ExecuTorchPrograms needs executorch: pip install "transformers-flexcache[executorch]"'
             ) from error
-        self.program = Runtime.get().load_program(os.fspath(path))
-        names = self.program.method_names
-        wanted = {"prefill", "decode", "is_encoder_decoder", "max_batch_size", "max_cache_len"}
-        if not wanted <= names:
-            raise ValueError(f"{path} has methods {sorted(names)}, not {sorted(wanted)}; write it with to_executorch")
-        constant = {name: self.program.load_method(name).execute([])[0] for name in names - {"prefill", "decode"}}
-        is_encoder_decoder = bool(constant.pop("is_encoder_decoder"))
-        encoder_input = ENCODER_INPUTS[int(constant.pop("encoder_input", 0))] if is_encoder_decoder else None
+        self.path = os.fspath(path)
+        self.program = Runtime.get().load_program(self.path)
+        names = set(self.program.method_names)
+        if "is_encoder_decoder" not in names or "max_batch_size" not in names:
+            raise ValueError(f"{path} has methods {sorted(names)}; write it with to_executorch")
+        self.metadata = {name: self._constant(name) for name in names if self._is_constant(name)}
+        is_encoder_decoder = bool(self.metadata["is_encoder_decoder"])
+        encoder_input = ENCODER_INPUTS[int(self.metadata["encoder_input"])] if is_encoder_decoder else None
         super().__init__(
             is_encoder_decoder=is_encoder_decoder,
-            capacities={k: int(v) for k, v in constant.items()},
+            capacities={name: int(self.metadata[name]) for name in CAPACITY_NAMES if name in self.metadata},
             encoder_input=encoder_input,
         )
-        self._methods = {name: self.program.load_method(name) for name in METHOD_NAMES}
+        present = [name for name in self.method_names if name in names]
+        needed = {"encoder", "text_decoder"} if is_encoder_decoder else {"forward"}
+        if not (needed <= set(present) or {"prefill", "decode"} <= set(present)):
+            raise ValueError(f"{path} has methods {sorted(names)}; write it with to_executorch")
+        self._methods = {name: self.program.load_method(name) for name in present}
+
+    def _is_constant(self, name: str) -> bool:
+        return self.program.metadata(name).num_inputs() == 0
+
+    def _constant(self, name: str):
+        values = self.program.load_method(name).execute([])
+        return values[0] if len(values) == 1 else list(values)
 
     def _run(self, method_name: str, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        if method_name not in self._methods:
+            raise ValueError(f"{self.path} was lowered without {method_name}; lower it with that method")
         return self._methods[method_name].execute(list(inputs))[0]
-
-
-def greedy_generate(
-    runner: ProgramRunner,
-    input_ids: torch.Tensor | None = None,
-    attention_mask: torch.Tensor | None = None,
-    *,
-    input_features: torch.Tensor | None = None,
-    encoder_hidden_states: torch.Tensor | None = None,
-    max_new_tokens: int,
-    decoder_start_token_id: int | None = None,
-    eos_token_id: int | None = None,
-    pad_token_id: int | None = None,
-    forced_eos_token_id: int | None = None,
-    output_logits: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """Greedy decoding with exported programs, as `model.generate(do_sample=False, num_beams=1)` decodes.
-
-    Args:
-        runner: `ExportedPrograms` or `ExecuTorchPrograms`.
-        input_ids (`torch.LongTensor`, *optional*): `[B, L_enc]` encoder tokens, or `[B, P]` a left-padded prompt
-            (decoder-only).
-        attention_mask (`torch.LongTensor`, *optional*): `[B, L_enc]` (encoder-decoder) or `[B, P]`; all ones if not
-            given.
-        input_features (`torch.FloatTensor`, *optional*): `[B, num_mel_bins, 2 * L_enc]`, instead of `input_ids`
-            for a program exported with `encoder_input="input_features"` (Whisper).
-        encoder_hidden_states (`torch.FloatTensor`, *optional*): `[B, L_enc, d_model]` encoder outputs, instead of
-            `input_ids` for a program exported with `encoder_input="encoder_hidden_states"`.
-        max_new_tokens (`int`): tokens to generate at most.
-        decoder_start_token_id (`int`): first decoder token (encoder-decoder only).
-        eos_token_id (`int`, *optional*): a row that produced it is finished and gets `pad_token_id` afterwards;
-            decoding stops when every row is finished.
-        pad_token_id (`int`, *optional*): defaults to `eos_token_id`.
-        forced_eos_token_id (`int`, *optional*): the last token allowed by `max_new_tokens` is this one for every
-            unfinished row, as generate's `ForcedEOSTokenLogitsProcessor` does (BART checkpoints set it). No other
-            logits processor is applied.
-        output_logits (`bool`, *optional*, defaults to `False`): also return each step's logits, as `generate`'s
-            `output_logits=True` does.
-
-    Returns:
-        `torch.LongTensor`: `[B, 1 + N]` decoder tokens (start token first), or `[B, P + N]` prompt and new tokens,
-        `N <= max_new_tokens`: what `generate` returns. With `output_logits=True`, also a tuple of N `[B, V]` logits.
-
-    Raises:
-        ValueError: the generation would need more positions than `max_cache_len`, inputs exceed a capacity, or not
-            exactly the encoder input that the program takes.
-    """
-    # input_ids: [B, L] -> [B, 1 + N] (encoder-decoder) or [B, P + N] (decoder-only)
-    given = {"input_ids": input_ids, "input_features": input_features, "encoder_hidden_states": encoder_hidden_states}
-    given = {name: value for name, value in given.items() if value is not None}
-    wanted = runner.encoder_input if runner.is_encoder_decoder else "input_ids"
-    if list(given) != [wanted]:
-        raise ValueError(f"this program takes {wanted}, got {sorted(given) or 'no input'}; pass {wanted}")
-    encoder_input = given[wanted]
-    batch_size, input_len = encoder_input.shape[:2]
-    if wanted == "input_features":  # the encoder's output length is fixed
-        input_len = runner.capacities["max_encoder_len"]
-    if attention_mask is None:
-        attention_mask = torch.ones(batch_size, input_len, dtype=torch.long)
-    if runner.is_encoder_decoder:
-        if decoder_start_token_id is None:
-            raise ValueError("decoder_start_token_id is required for an encoder-decoder program")
-        sequences = torch.full((batch_size, 1), decoder_start_token_id, dtype=torch.long)
-    else:
-        sequences = input_ids
-    num_prefix = sequences.shape[1]
-    # The last new token is returned, never fed back: positions used = prefix + new tokens - 1.
-    needed = num_prefix + max_new_tokens - 1
-    if needed > runner.capacities["max_cache_len"]:
-        raise ValueError(
-            f"max_new_tokens={max_new_tokens} after {num_prefix} prefix tokens needs max_cache_len={needed}, but the "
-            f"program has max_cache_len={runner.capacities['max_cache_len']}; export it again with "
-            f"max_cache_len={needed} or more"
-        )
-    pad_token_id = eos_token_id if pad_token_id is None else pad_token_id
-
-    if runner.is_encoder_decoder:
-        logits = runner.prefill(encoder_input, attention_mask, sequences, torch.arange(num_prefix))
-    else:
-        full_mask = torch.zeros(batch_size, runner.capacities["max_cache_len"], dtype=torch.long)
-        full_mask[:, :input_len] = attention_mask
-        # As generate: positions count the real tokens of each row; padding gets position 0.
-        position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
-        logits = runner.prefill(input_ids, full_mask, position_ids, torch.arange(num_prefix))
-
-    finished = torch.zeros(batch_size, dtype=torch.bool)
-    step_logits = []
-    for step in range(max_new_tokens):
-        step_logits.append(logits[:, -1])  # [B, V]
-        next_tokens = step_logits[-1].argmax(-1)  # [B]
-        if forced_eos_token_id is not None and step == max_new_tokens - 1:
-            next_tokens = torch.full_like(next_tokens, forced_eos_token_id)
-        if eos_token_id is not None:
-            next_tokens = next_tokens.masked_fill(finished, pad_token_id)
-            finished |= next_tokens == eos_token_id
-        sequences = torch.cat([sequences, next_tokens[:, None]], dim=-1)
-        if step == max_new_tokens - 1 or bool(finished.all()):
-            break
-        position = sequences.shape[1] - 1
-        cache_position = torch.tensor([position])
-        if runner.is_encoder_decoder:
-            logits = runner.decode(next_tokens[:, None], cache_position, attention_mask)
-        else:
-            full_mask[:, position] = 1
-            position_ids = position_ids[:, -1:] + 1
-            logits = runner.decode(next_tokens[:, None], full_mask, position_ids, cache_position)
-    return (sequences, tuple(step_logits)) if output_logits else sequences

@@ -1,0 +1,84 @@
+"""ExecuTorch's runtime with XNNPACK: fp32 and quantized (torchao) one-layer exports against eager `generate`.
+
+The CLI tests (tests/export/test_cli.py) cover every model type with portable kernels; here the XNNPACK delegate
+runs, including its dynamically quantized linears.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.export.conftest import needs_executorch
+from tests.export.helpers import ONE_LAYER, assert_close_logits, assert_matches_eager_for_every_shape
+from transformers_flexcache.export import ExecuTorchPrograms, export_model
+from transformers_flexcache.export.quantize import quantize_model_
+
+pytestmark = needs_executorch
+
+LLAMA_CAPACITY = {"max_batch_size": 3, "max_cache_len": 12}
+SHAPES = [(3, 6), (1, 3), (2, 5)]
+NEW_TOKENS = 6
+# XNNPACK's dynamically quantized kernels against torchao's eager emulation of the same quantized model, measured on
+# the tiny Llama (logits up to ~0.5): int8 weights agree to 1.5e-7, 8da4w (int4 weights in groups of 32) to 3.6e-3,
+# which flipped 1 greedy token in 6 on such flat logits. So the logits are compared under teacher forcing (both see
+# the eager model's tokens), with a bound that a wrong computation (errors of the logits' own size) would exceed.
+QUANTIZED_LOGITS_TOLERANCE = 1e-2
+
+
+def _lowered(model, tmp_path, methods=None, **capacity):
+    programs = export_model(model, **capacity)
+    return ExecuTorchPrograms(programs.to_executorch(tmp_path / "model.pte", backend="xnnpack", methods=methods))
+
+
+def _teacher_forced_logits(runner, input_ids, attention_mask, tokens) -> torch.Tensor:
+    """Logits `[N, B, V]` of the program for each step of `tokens` `[B, P + N]` (prompt, then the tokens fed)."""
+    # input_ids, attention_mask: [B, P]; tokens: [B, P + N]
+    batch_size, prompt_len = input_ids.shape
+    mask = torch.zeros(batch_size, runner.capacities["max_cache_len"], dtype=torch.long)
+    mask[:, :prompt_len] = attention_mask
+    position_ids = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+    steps = [runner.prefill(input_ids, mask, position_ids, torch.arange(prompt_len))[:, -1]]
+    position_ids = position_ids[:, -1:]
+    for position in range(prompt_len, tokens.shape[1] - 1):
+        mask[:, position] = 1
+        position_ids = position_ids + 1
+        logits = runner.decode(tokens[:, position : position + 1], mask, position_ids, torch.tensor([position]))
+        steps.append(logits[:, -1])
+    return torch.stack(steps)
+
+
+@pytest.mark.parametrize("mode", [pytest.param("8da4w"), pytest.param("int8", marks=pytest.mark.slow)])
+def test_quantized_xnnpack_export_computes_the_logits_of_the_same_quantized_model_in_eager_torch(tmp_path, mode):
+    case = ONE_LAYER["llama"]
+    _, flex = case.build(seed=1)
+    assert quantize_model_(flex, mode) > 0
+    # prefill and decode only: the LLM runner's forward is covered by tests/export/test_llm_runner.py
+    runner = _lowered(flex, tmp_path, methods=("prefill", "decode"), **LLAMA_CAPACITY)
+    generator = torch.Generator().manual_seed(3)
+    for batch_size, prompt_len in SHAPES:
+        inputs = case.make_inputs(batch_size, prompt_len, generator)
+        # The oracle is the quantized model itself, eager, with upstream's DynamicCache.
+        expected = flex.generate(
+            **inputs, max_new_tokens=NEW_TOKENS, do_sample=False, return_dict_in_generate=True, output_logits=True
+        )
+        got = _teacher_forced_logits(runner, inputs["input_ids"], inputs["attention_mask"], expected.sequences)
+        assert_close_logits(
+            got, torch.stack(expected.logits), f"{mode} batch={batch_size}", tolerance=QUANTIZED_LOGITS_TOLERANCE
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["t5", "bart", "whisper", "pix2struct", "llama"])
+def test_xnnpack_export_of_each_model_type_generates_eager_tokens(tmp_path, model_type):
+    from tests.export.test_cli import SHAPES as CLI_SHAPES
+
+    case = ONE_LAYER[model_type]
+    upstream, flex = case.build(seed=1)
+    capacity = {"max_batch_size": 3, "max_cache_len": 8}
+    if flex.config.is_encoder_decoder and model_type != "whisper":
+        capacity["max_encoder_len"] = 10
+    elif model_type == "whisper":
+        capacity["max_encoder_len"] = flex.config.max_source_positions
+    runner = _lowered(flex, tmp_path, **capacity)
+    assert_matches_eager_for_every_shape(runner, upstream, case, CLI_SHAPES[model_type], seed=4)

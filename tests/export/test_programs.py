@@ -1,0 +1,265 @@
+"""Exported programs (torch.export, run with torch) against upstream's eager model with its DynamicCache.
+
+One export (module fixture) serves every test of a model: the point is that one program, with one set of cache
+buffers, serves every batch and length within its capacities, in any order of calls.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.export.helpers import (
+    CAPACITY,
+    NEW_TOKENS,
+    ONE_LAYER,
+    SHAPES,
+    T5_VARIED,
+    assert_close_logits,
+    assert_matches_eager_for_every_shape,
+    assert_same_greedy,
+)
+from tests.model_cases import BART, JAMBA, LLAMA, PIX2STRUCT, T5, WHISPER, WHISPER_MAX_SOURCE_POSITIONS
+from transformers_flexcache.export import (
+    ExportableDecoderOnly,
+    ExportableEncoderDecoder,
+    ExportedPrograms,
+    export_decoder_only,
+    export_encoder_decoder,
+    generate,
+    greedy_generate,
+)
+
+# Whisper's log-mel features always give max_source_positions encoder positions: only the batch varies.
+WHISPER_FEATURE_SHAPES = [(4, WHISPER_MAX_SOURCE_POSITIONS), (1, WHISPER_MAX_SOURCE_POSITIONS)]
+LLAMA_CAPACITY = {"max_batch_size": CAPACITY["max_batch_size"], "max_cache_len": 10 + NEW_TOKENS}
+
+
+@pytest.fixture(scope="module")
+def t5():
+    upstream, flex = T5_VARIED.build(seed=1)
+    return upstream, export_encoder_decoder(flex, **CAPACITY)
+
+
+@pytest.fixture(scope="module")
+def bart():
+    upstream, flex = BART.build(seed=1)
+    return upstream, export_encoder_decoder(flex, **CAPACITY)
+
+
+@pytest.fixture(scope="module")
+def whisper_encoder_states():
+    # Encoder outputs of any length up to max_encoder_len: the dynamic encoder length, through the cross mask that
+    # model_overrides/whisper.py adds.
+    upstream, flex = WHISPER.build(seed=1)
+    return upstream, export_encoder_decoder(flex, **CAPACITY, encoder_input="encoder_hidden_states")
+
+
+@pytest.fixture(scope="module")
+def whisper_features():
+    upstream, flex = ONE_LAYER["whisper"].build(seed=1)
+    capacity = {**CAPACITY, "max_encoder_len": WHISPER_MAX_SOURCE_POSITIONS}
+    return upstream, export_encoder_decoder(flex, **capacity)  # encoder_input defaults to input_features
+
+
+@pytest.fixture(scope="module")
+def pix2struct():
+    upstream, flex = PIX2STRUCT.build(seed=1)
+    return upstream, export_encoder_decoder(flex, **CAPACITY)  # encoder_input defaults to flattened_patches
+
+
+@pytest.fixture(scope="module")
+def llama():
+    upstream, flex = LLAMA.build()
+    return upstream, export_decoder_only(flex, **LLAMA_CAPACITY)
+
+
+def _fresh(programs: ExportedPrograms) -> ExportedPrograms:
+    """The same programs and buffers with a runner that has started no sequence."""
+    return ExportedPrograms(programs.wrapper, programs.programs)
+
+
+@pytest.mark.parametrize(
+    ("programs_fixture", "case", "shapes"),
+    [
+        pytest.param("t5", T5_VARIED, SHAPES, id="t5"),
+        pytest.param("bart", BART, SHAPES, id="bart"),
+        pytest.param("whisper_encoder_states", WHISPER, SHAPES, id="whisper-encoder_hidden_states"),
+        pytest.param("whisper_features", ONE_LAYER["whisper"], WHISPER_FEATURE_SHAPES, id="whisper-input_features"),
+        pytest.param("pix2struct", PIX2STRUCT, SHAPES, id="pix2struct-flattened_patches"),
+        pytest.param("llama", LLAMA, SHAPES, id="llama"),
+    ],
+)
+def test_exported_model_matches_eager_generate_for_every_shape_with_one_program(
+    request, programs_fixture, case, shapes
+):
+    upstream, programs = request.getfixturevalue(programs_fixture)
+    pointers = [b.data_ptr() for b in programs.wrapper.buffers()]
+    assert_matches_eager_for_every_shape(programs, upstream, case, shapes, seed=1)
+    assert [b.data_ptr() for b in programs.wrapper.buffers()] == pointers, "a cache buffer was reallocated"
+
+
+def test_exported_t5_logits_keep_the_d_model_output_scaling(t5):
+    upstream, programs = t5
+    # tests/model_cases.py unties the tiny T5's output embeddings but keeps their d_model**-0.5 scaling, as t5-small.
+    assert upstream.config.scale_decoder_outputs
+    inputs = T5_VARIED.make_inputs(2, 5, torch.Generator().manual_seed(3))
+    start = torch.zeros(2, 1, dtype=torch.long)
+    want = upstream(**inputs, decoder_input_ids=start).logits
+    runner = _fresh(programs)
+    states = runner.encoder(inputs["input_ids"], inputs["attention_mask"])
+    got = runner.text_decoder(start, states, torch.arange(1), inputs["attention_mask"])
+    assert_close_logits(got, want, "first step")
+
+
+def test_llama_forward_method_is_the_llm_runner_entry_on_row_zero_and_restarts_at_position_zero(llama):
+    upstream, programs = llama
+    runner = _fresh(programs)
+    for seed in (5, 6):  # two sequences on the same buffers: the second starts over at position 0
+        prompt = LLAMA.make_inputs(1, 6, torch.Generator().manual_seed(seed))["input_ids"]
+        expected = upstream.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
+        tokens = prompt
+        logits = runner.forward(prompt, torch.arange(prompt.shape[1]))
+        for _ in range(NEW_TOKENS - 1):
+            next_token = logits[:, -1].argmax(-1, keepdim=True)
+            tokens = torch.cat([tokens, next_token], dim=-1)
+            logits = runner.forward(next_token, torch.tensor([tokens.shape[1] - 1]))
+        tokens = torch.cat([tokens, logits[:, -1].argmax(-1, keepdim=True)], dim=-1)
+        assert torch.equal(tokens, expected), (seed, tokens, expected)
+
+
+@pytest.mark.parametrize(
+    ("batch_size", "encoder_len", "message"),
+    [
+        pytest.param(5, 4, r"batch_size=5 exceeds max_batch_size=4 .* max_batch_size=5 or more", id="batch"),
+        pytest.param(2, 11, r"encoder_len=11 exceeds max_encoder_len=10 .* max_encoder_len=11 or more", id="encoder"),
+    ],
+)
+def test_encoder_refuses_inputs_over_capacity_with_value_limit_and_fix(t5, batch_size, encoder_len, message):
+    _, programs = t5
+    input_ids = torch.full((batch_size, encoder_len), 5)
+    with pytest.raises(ValueError, match=message):
+        _fresh(programs).encoder(input_ids, torch.ones_like(input_ids))
+
+
+def test_text_decoder_refuses_a_position_past_max_cache_len(t5):
+    _, programs = t5
+    runner = _fresh(programs)
+    input_ids = torch.full((2, 4), 5)
+    states = runner.encoder(input_ids, torch.ones_like(input_ids))
+    with pytest.raises(ValueError, match=r"decoder_len=9 exceeds max_cache_len=8 .* max_cache_len=9 or more"):
+        runner.text_decoder(torch.zeros(2, 1), states, torch.tensor([8]), torch.ones_like(input_ids))
+
+
+def test_generate_refuses_more_new_tokens_than_cache_positions(t5):
+    _, programs = t5
+    with pytest.raises(ValueError, match=r"max_new_tokens=9 .* needs max_cache_len=9"):
+        generate(programs, torch.full((1, 4), 5), max_new_tokens=9, decoder_start_token_id=0)
+
+
+def test_text_decoder_refuses_to_run_before_an_encoder_call_started_a_sequence(t5):
+    _, programs = t5
+    with pytest.raises(ValueError, match=r"text_decoder was called before encoder; call encoder"):
+        _fresh(programs).text_decoder(torch.zeros(2, 1), torch.zeros(2, 4, 32), torch.tensor([0]), torch.ones(2, 4))
+
+
+def test_text_decoder_refuses_another_batch_than_the_encoder_call_and_more_than_one_token(t5):
+    _, programs = t5
+    runner = _fresh(programs)
+    input_ids = torch.full((2, 4), 5)
+    runner.encoder(input_ids, torch.ones_like(input_ids))
+    with pytest.raises(ValueError, match=r"text_decoder got batch and encoder length \(3, 4\), but encoder started"):
+        runner.text_decoder(torch.zeros(3, 1), torch.zeros(3, 4, 32), torch.tensor([0]), torch.ones(3, 4))
+    with pytest.raises(ValueError, match=r"text_decoder takes one token per call, got 2"):
+        runner.text_decoder(torch.zeros(2, 2), torch.zeros(2, 4, 32), torch.arange(2), torch.ones(2, 4))
+
+
+def test_decode_refuses_to_run_before_prefill_and_forward_refuses_more_than_one_row(llama):
+    _, programs = llama
+    runner = _fresh(programs)
+    mask = torch.ones(2, LLAMA_CAPACITY["max_cache_len"])
+    with pytest.raises(ValueError, match=r"decode was called before prefill; call prefill"):
+        runner.decode(torch.ones(2, 1), mask, torch.zeros(2, 1), torch.tensor([0]))
+    with pytest.raises(ValueError, match=r"forward takes tokens \[1, S\] \(row 0 only\), got \(2, 3\)"):
+        runner.forward(torch.ones(2, 3), torch.arange(3))
+
+
+def test_exportable_wrapper_refuses_an_upstream_model_with_the_fix():
+    upstream, _ = T5.build()
+    with pytest.raises(TypeError, match=r"transformers_flexcache.convert\(model\)"):
+        ExportableEncoderDecoder(upstream, **CAPACITY)
+
+
+def test_whisper_features_export_refuses_an_encoder_length_other_than_max_source_positions():
+    _, flex = WHISPER.build()
+    with pytest.raises(ValueError, match=r"max_encoder_len=10, but .* max_source_positions=12 .* max_encoder_len=12"):
+        ExportableEncoderDecoder(flex, **CAPACITY)
+
+
+def test_exported_whisper_features_program_refuses_other_inputs_with_the_expected_shape(whisper_features):
+    _, programs = whisper_features
+    features = torch.zeros(2, WHISPER.build_config().num_mel_bins, 20)
+    with pytest.raises(ValueError, match=r"encoder needs input_features \[batch, num_mel_bins, 24\]"):
+        _fresh(programs).encoder(features)
+    with pytest.raises(ValueError, match=r"this program takes input_features, got \['input_ids'\]"):
+        generate(programs, torch.ones(2, 12, dtype=torch.long), max_new_tokens=2, decoder_start_token_id=1)
+
+
+@pytest.mark.parametrize("programs_fixture", ["llama", "t5", "bart"])
+def test_sampled_generate_draws_the_tokens_of_upstream_sampling_under_the_same_seed(request, programs_fixture):
+    upstream, programs = request.getfixturevalue(programs_fixture)
+    case = {"llama": LLAMA, "t5": T5_VARIED, "bart": BART}[programs_fixture]
+    inputs = case.make_inputs(3, 6, torch.Generator().manual_seed(7))
+    sampling = {"do_sample": True, "temperature": 0.7, "top_k": 20, "top_p": 0.9, "max_new_tokens": NEW_TOKENS}
+    config = upstream.generation_config
+    token_ids = {"eos_token_id": config.eos_token_id, "pad_token_id": config.pad_token_id}
+    if case is not LLAMA:
+        token_ids["decoder_start_token_id"] = config.decoder_start_token_id
+        token_ids["forced_eos_token_id"] = getattr(config, "forced_eos_token_id", None)
+    for seed in (0, 1, 2):
+        torch.manual_seed(seed)
+        expected = upstream.generate(**inputs, **sampling)
+        torch.manual_seed(seed)
+        tokens = generate(programs, **inputs, **sampling, **token_ids)
+        assert torch.equal(tokens, expected), (seed, tokens, expected)
+
+
+def test_sampled_generate_with_a_generator_repeats_for_its_seed_and_leaves_the_global_generator_alone(llama):
+    _, programs = llama
+    inputs = LLAMA.make_inputs(2, 5, torch.Generator().manual_seed(8))
+    kwargs = {"do_sample": True, "top_k": 0, "max_new_tokens": NEW_TOKENS}
+    state = torch.get_rng_state()
+    runs = [generate(programs, **inputs, **kwargs, generator=torch.Generator().manual_seed(s)) for s in (3, 3, 4)]
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(runs[0], runs[1])
+    assert not torch.equal(runs[0], runs[2])  # 2 rows x 8 draws from a 99-token vocabulary: equal by chance ~never
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        pytest.param({"temperature": 0.0}, r"temperature=0.0 must be > 0 when sampling", id="temperature"),
+        pytest.param({"top_p": 0.0}, r"top_p=0.0 must be in \(0, 1\]", id="top_p"),
+    ],
+)
+def test_sampled_generate_refuses_invalid_parameters_before_running(llama, kwargs, message):
+    _, programs = llama
+    runner = _fresh(programs)
+    with pytest.raises(ValueError, match=message):
+        generate(runner, torch.ones(1, 3, dtype=torch.long), max_new_tokens=2, do_sample=True, **kwargs)
+    assert runner._started == {}, "a refused call ran a program"
+
+
+def test_greedy_generate_is_generate_without_sampling(llama):
+    upstream, programs = llama
+    inputs = LLAMA.make_inputs(2, 4, torch.Generator().manual_seed(9))
+    assert torch.equal(
+        greedy_generate(programs, **inputs, max_new_tokens=4), generate(programs, **inputs, max_new_tokens=4)
+    )
+    assert_same_greedy(programs, upstream, inputs, "greedy", new_tokens=4)
+
+
+def test_exportable_wrapper_refuses_jamba_whose_mamba_layers_it_does_not_cover():
+    _, flex = JAMBA.build()
+    with pytest.raises(ValueError, match=r"has \['linear_attention'\] layers, which export does not cover"):
+        ExportableDecoderOnly(flex, max_batch_size=2, max_cache_len=8)

@@ -1,0 +1,250 @@
+"""Lowering exported programs into one ExecuTorch `.pte`: partitioning, memory planning, metadata methods.
+
+Design decisions:
+- All methods go through one `to_edge_transform_and_lower` call and one `to_executorch`, so that memory planning
+  sees them together: `MemoryPlanningPass(share_mutable_buffers=True)` gives each cache buffer one allocation,
+  shared by every method (matched by buffer name), which persists between calls.
+- `run_reinplace_pass=True`: the cache writes are functional `index_put`s after export; ExecuTorch turns them back
+  into in-place writes of the shared buffer (no copy of the buffer per layer and step).
+- XNNPACK's per-partition passes that cannot change a partition (it lacks their ops) are skipped while lowering
+  (`_xnnpack_passes_limited_to_each_partition`, undone afterwards).
+- No edge transform passes: each would cost a verification of every method (seconds per method at real sizes). The
+  graph rewrites that XNNPACK needs are done on the ATen programs at export (`rewrites.py`).
+- Metadata methods (constant methods of the `.pte`): our capacities (`max_batch_size`, `max_cache_len`,
+  `max_encoder_len`, `is_encoder_decoder`, `encoder_input`) and, for decoder-only models, those of ExecuTorch's LLM
+  runner (`get_max_seq_len`, `get_max_context_len`, `get_vocab_size`, `get_bos_id`, `get_eos_ids`,
+  `use_kv_cache`, `enable_dynamic_shape`, `get_n_layers`, `use_sdpa_with_kv_cache`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+from collections.abc import Callable
+
+BACKENDS = ("xnnpack", "portable")
+
+# XNNPACK's preprocessing runs 17 graph passes on every partition, and most re-trace the partition with symbolic
+# shapes (about 0.05 s per pass and partition for t5-small). These ones change nothing unless the partition holds one
+# of the ops listed (executorch 1.4.1, backends/xnnpack/_passes/), so they are skipped for partitions without them.
+_XNNPACK_PASS_TRIGGERS = {
+    "ConvertToUpsampleBilinear2d": ("upsample_bilinear2d",),
+    "FuseBatchNormPass": ("batch_norm",),
+    "DecomposeBatchNorm": ("batch_norm",),
+    "Conv1dUnsqueezePass": ("convolution",),
+    "PReLUReshapePass": ("prelu",),
+    "InsertPadQDQPass": ("constant_pad_nd",),
+    "RemoveGetItemPass": ("max_pool2d_with_indices", "aten.max.dim"),
+    "DecomposeConcatenate": ("aten.cat",),
+    "PropagateCustomMetaPass": ("quantize", "dequantize"),
+    # Inserts layout conversions around ops that XNNPACK runs channels-last; inputs here are contiguous.
+    "ChannelsLastTaggedReshapePass": ("convolution", "upsample", "mean.dim", "pool2d", "amax", "max.dim", "prelu"),
+}
+
+
+@contextlib.contextmanager
+def _xnnpack_passes_limited_to_each_partition():
+    """While lowering, XNNPACK's pass manager skips the passes of `_XNNPACK_PASS_TRIGGERS` on partitions that hold
+    none of their ops. Restored on exit."""
+    from executorch.backends.xnnpack._passes import XNNPACKPassManager
+
+    original = XNNPACKPassManager.transform
+
+    def transform(self):
+        ops = {str(node.target) for node in self.exported_program.graph.nodes if node.op == "call_function"}
+        self.passes = [
+            p
+            for p in self.passes
+            if p.__name__ not in _XNNPACK_PASS_TRIGGERS
+            or any(trigger in op for trigger in _XNNPACK_PASS_TRIGGERS[p.__name__] for op in ops)
+        ]
+        return original(self)
+
+    XNNPACKPassManager.transform = transform
+    try:
+        yield
+    finally:
+        XNNPACKPassManager.transform = original
+
+
+@dataclasses.dataclass
+class LoweringReport:
+    """What `lower_to_executorch` did, for progress lines and the CLI's summary.
+
+    Attributes:
+        path (`str`): the `.pte` written.
+        seconds (`dict[str, float]`): wall time of each stage (`lower`, `to_executorch`, `write`).
+        pte_bytes (`int`): size of the file.
+        planned_bytes (`dict[str, int]`): memory that ExecuTorch plans for each method (activations and the cache
+            buffers it uses; shared buffers are counted in every method that uses them).
+        shared_bytes (`int`): the cache buffers, planned once and shared by all methods.
+        num_partitions (`dict[str, int]`): XNNPACK partitions (delegate calls) of each method.
+        metadata (`dict`): the metadata methods and their values.
+    """
+
+    path: str
+    seconds: dict[str, float]
+    pte_bytes: int
+    planned_bytes: dict[str, int]
+    shared_bytes: int
+    num_partitions: dict[str, int]
+    metadata: dict
+
+
+def program_metadata(runner) -> dict:
+    """The constant methods written into the `.pte` of `runner` (an `ExportedPrograms`)."""
+    from .modules import ENCODER_INPUTS
+
+    wrapper = runner.wrapper
+    metadata = {**runner.capacities, "is_encoder_decoder": int(runner.is_encoder_decoder)}
+    config = wrapper.model.config.get_text_config(decoder=True)
+    if runner.is_encoder_decoder:
+        metadata["encoder_input"] = ENCODER_INPUTS.index(runner.encoder_input)
+        start = getattr(wrapper.model.generation_config, "decoder_start_token_id", None)
+        if isinstance(start, int):
+            metadata["decoder_start_token_id"] = start
+        return metadata
+    eos = wrapper.model.generation_config.eos_token_id
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    metadata.update(
+        {
+            "get_max_seq_len": wrapper.max_cache_len,
+            "get_max_context_len": wrapper.max_cache_len,
+            "get_vocab_size": config.vocab_size,
+            "get_n_layers": wrapper.num_layers,
+            "use_kv_cache": True,
+            "use_sdpa_with_kv_cache": False,
+            "enable_dynamic_shape": True,
+        }
+    )
+    bos = wrapper.model.generation_config.bos_token_id
+    if isinstance(bos, int):
+        metadata["get_bos_id"] = bos
+    if eos_ids:
+        metadata["get_eos_ids"] = eos_ids
+    return metadata
+
+
+def _partitioners(backend: str) -> list:
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+
+    return [XnnpackPartitioner()]
+
+
+def check_backend(backend: str) -> None:
+    """Raise `ValueError` unless `backend` is one of `BACKENDS`."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+
+
+def lower_to_executorch(
+    runner,
+    path: str | os.PathLike,
+    *,
+    backend: str = "xnnpack",
+    methods: tuple[str, ...] | None = None,
+    on_stage: Callable[[str, float], None] | None = None,
+) -> LoweringReport:
+    """Lower every method of `runner` (an `ExportedPrograms`) into one `.pte` at `path`, the cache buffers shared.
+
+    Args:
+        runner: the `ExportedPrograms` of an exportable wrapper.
+        path: where to write the `.pte`.
+        backend (`str`, *optional*, defaults to `"xnnpack"`): `"xnnpack"` delegates what XNNPACK runs (linear layers,
+            attention matmuls, norms, ...); `"portable"` keeps ExecuTorch's portable kernels only (lowers faster,
+            runs slower).
+        methods (`tuple[str, ...]`, *optional*): the methods to lower (default: all). Decoder-only programs may leave
+            out `forward` (ExecuTorch's LLM runner) or `prefill`/`decode` (our runners); lowering time is per method.
+        on_stage (`Callable[[str, float], None]`, *optional*): called after each stage with its name and seconds.
+
+    Returns:
+        `LoweringReport`.
+
+    Raises:
+        ImportError: executorch is not installed (`pip install "transformers-flexcache[executorch]"`).
+        ValueError: an unknown `backend`, or `methods` that the program does not have.
+    """
+    check_backend(backend)
+    programs = runner.programs
+    if methods is not None:
+        unknown = sorted(set(methods) - set(programs))
+        if unknown or not methods:
+            raise ValueError(f"methods={list(methods)}: this program has {sorted(programs)}; pick some of them")
+        programs = {name: programs[name] for name in methods}
+    try:
+        from executorch.exir import ExecutorchBackendConfig, to_edge, to_edge_transform_and_lower
+        from executorch.exir.passes import MemoryPlanningPass
+    except ImportError as error:
+        raise ImportError(
+            'to_executorch needs executorch: pip install "transformers-flexcache[executorch]"'
+        ) from error
+    seconds = {}
+
+    def stage(name: str, started: float) -> None:
+        seconds[name] = time.perf_counter() - started
+        if on_stage is not None:
+            on_stage(name, seconds[name])
+
+    metadata = program_metadata(runner)
+    started = time.perf_counter()
+    if backend == "xnnpack":
+        with _xnnpack_passes_limited_to_each_partition():
+            edge = to_edge_transform_and_lower(programs, partitioner=_partitioners(backend), constant_methods=metadata)
+    else:
+        # Without a partitioner, `to_edge` decomposes each method once; `to_edge_transform_and_lower` would first
+        # functionalize it in a run of its own (a whole re-trace more).
+        edge = to_edge(programs, constant_methods=metadata)
+    stage("lower", started)
+    num_partitions = {
+        name: sum("call_delegate" in str(node.target) for node in edge.exported_program(name).graph.nodes)
+        for name in programs
+    }
+    started = time.perf_counter()
+    program = edge.to_executorch(
+        ExecutorchBackendConfig(
+            # One allocation of every cache buffer, shared by all methods (matched by buffer name).
+            memory_planning_pass=MemoryPlanningPass(share_mutable_buffers=True),
+            emit_mutable_buffer_names=True,
+            run_reinplace_pass=True,
+        )
+    )
+    stage("to_executorch", started)
+    started = time.perf_counter()
+    with open(path, "wb") as file:
+        program.write_to_file(file)
+    stage("write", started)
+    planned, shared = _planned_memory(program, runner, programs)
+    return LoweringReport(
+        path=os.fspath(path),
+        seconds=seconds,
+        pte_bytes=os.path.getsize(path),
+        planned_bytes=planned,
+        shared_bytes=shared,
+        num_partitions=num_partitions,
+        metadata=metadata,
+    )
+
+
+def _planned_memory(program, runner, programs) -> tuple[dict[str, int], int]:
+    """Planned bytes per method, and the bytes of the cache buffers (shared by the methods)."""
+    planned = {
+        plan.name: int(sum(plan.non_const_buffer_sizes))
+        for plan in program.executorch_program.execution_plan
+        if plan.name in programs
+    }
+    shared = sum(buffer.nbytes for _, buffer in runner.wrapper.named_buffers(recurse=False))
+    return planned, int(shared)
+
+
+def bf16_unsupported_reason(backend: str) -> str | None:
+    """Why a bfloat16 program cannot run on `backend`, or `None` if it can."""
+    if backend != "xnnpack":
+        return None
+    # executorch 1.4.1, backends/xnnpack/partition/config/xnnpack_config.py: `_check_node_has_valid_dtype`.
+    return (
+        "ExecuTorch's XNNPACK partitioner (executorch 1.4.1) delegates float32 and float16 ops only, whatever the CPU "
+        "supports, so a bfloat16 program would run entirely on portable kernels; pass --backend portable to do that "
+        "knowingly"
+    )

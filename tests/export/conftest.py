@@ -15,8 +15,9 @@ needs_executorch = pytest.mark.skipif(
     importlib.util.find_spec("executorch") is None, reason='needs pip install ".[executorch]"'
 )
 CAPACITY = ["--max-batch-size", "3", "--max-cache-len", "8"]
-LLAMA_MAX_CACHE_LEN = 16  # a prompt of up to 9 tokens and 8 new ones
-ENCODER_LEN = {"t5": 10, "bart": 10, "pix2struct": 10}  # Whisper takes its max_source_positions
+LLAMA_MAX_CACHE_LEN = 16  # decoder-only models: a prompt of up to 9 tokens and 8 new ones
+# Whisper takes its max_source_positions; decoder-only models none.
+ENCODER_LEN = {name: 10 for name in ("t5", "bart", "pix2struct", "marian", "m2m_100", "mbart", "pegasus")}
 
 
 def run_command(*argv: str) -> tuple[int, str, str]:
@@ -43,7 +44,8 @@ class CliExports:
             upstream.save_pretrained(folder / "checkpoint")
             out = str(folder / "model.pte")
             extra = ["--max-encoder-len", str(ENCODER_LEN[name])] if name in ENCODER_LEN else []
-            capacity = CAPACITY if name != "llama" else [*CAPACITY[:3], str(LLAMA_MAX_CACHE_LEN)]
+            decoder_only = not upstream.config.is_encoder_decoder
+            capacity = [*CAPACITY[:3], str(LLAMA_MAX_CACHE_LEN)] if decoder_only else CAPACITY
             status, stdout, stderr = run_command(
                 "export", str(folder / "checkpoint"), "--out", out, *capacity, *extra, "--backend", "portable"
             )

@@ -8,8 +8,18 @@ import torch
 
 from tests.model_cases import (
     BART,
+    GEMMA3_TEXT,
+    GPT2,
     LLAMA,
+    M2M_100,
+    MARIAN,
+    MBART,
+    MISTRAL,
+    PEGASUS,
+    PHI3,
     PIX2STRUCT,
+    QWEN2,
+    QWEN3,
     T5,
     WHISPER,
     _bart_config,
@@ -70,7 +80,19 @@ ONE_LAYER = {
         WHISPER, build_config=_one_layer(_whisper_config, "encoder_layers", "decoder_layers")
     ),
     "pix2struct": dataclasses.replace(PIX2STRUCT, build_config=_one_layer_pix2struct),
+    **{
+        case.name: dataclasses.replace(
+            case, build_config=_one_layer(case.build_config, "encoder_layers", "decoder_layers")
+        )
+        for case in (MARIAN, M2M_100, MBART, PEGASUS)
+    },
+    # The generic decoder-only cases keep their two layers: Qwen2 and Gemma3 mix a full-attention and a
+    # sliding-window layer (a window of 4), Mistral's are both sliding-window.
+    **{case.name: case for case in (QWEN2, QWEN3, MISTRAL, PHI3, GPT2, GEMMA3_TEXT)},
 }
+# Model types whose CLI export runs in the default suite (each costs a lowering): the others are marked slow. One per
+# route: hand-written decoder-only, each encoder input, a BART copy, the generic route with sliding windows.
+DEFAULT_CLI_TYPES = ("llama", "t5", "bart", "whisper", "pix2struct", "marian", "qwen2")
 
 
 def generate_kwargs(upstream) -> dict:

@@ -15,23 +15,29 @@ import pytest
 import torch
 
 from tests.export.conftest import CAPACITY, LLAMA_MAX_CACHE_LEN, needs_executorch, run_command
-from tests.export.helpers import ONE_LAYER, assert_matches_eager_for_every_shape
+from tests.export.helpers import DEFAULT_CLI_TYPES, ONE_LAYER, assert_matches_eager_for_every_shape
 from tests.model_cases import JAMBA, WHISPER_MAX_SOURCE_POSITIONS
 from transformers_flexcache.export import ExecuTorchPrograms
 
 pytestmark = needs_executorch
 
-SHAPES = {name: [(3, 10), (1, 3), (2, 7)] for name in ("t5", "bart", "pix2struct")}
-SHAPES["llama"] = [(3, 9), (1, 3), (2, 6)]
+SHAPES = {
+    name: [(3, 10), (1, 3), (2, 7)] if ONE_LAYER[name].build_config().is_encoder_decoder else [(3, 9), (1, 3), (2, 6)]
+    for name in ONE_LAYER
+}
 SHAPES["whisper"] = [(3, WHISPER_MAX_SOURCE_POSITIONS), (1, WHISPER_MAX_SOURCE_POSITIONS)]
 
 
-@pytest.mark.parametrize("model_type", list(ONE_LAYER))
+@pytest.mark.parametrize(
+    "model_type",
+    [name if name in DEFAULT_CLI_TYPES else pytest.param(name, marks=pytest.mark.slow) for name in ONE_LAYER],
+)
 def test_cli_export_of_each_model_type_generates_eager_tokens_in_executorch(cli_exports, model_type):
     upstream, path, _ = cli_exports[model_type]
     runner = ExecuTorchPrograms(path)
     assert runner.capacities["max_batch_size"] == 3
-    assert runner.capacities["max_cache_len"] == (LLAMA_MAX_CACHE_LEN if model_type == "llama" else 8)
+    decoder_only = not upstream.config.is_encoder_decoder
+    assert runner.capacities["max_cache_len"] == (LLAMA_MAX_CACHE_LEN if decoder_only else 8)
     assert_matches_eager_for_every_shape(runner, upstream, ONE_LAYER[model_type], SHAPES[model_type], seed=2)
 
 

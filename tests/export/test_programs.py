@@ -19,7 +19,25 @@ from tests.export.helpers import (
     assert_matches_eager_for_every_shape,
     assert_same_greedy,
 )
-from tests.model_cases import BART, JAMBA, LLAMA, PIX2STRUCT, T5, WHISPER, WHISPER_MAX_SOURCE_POSITIONS
+from tests.model_cases import (
+    BART,
+    GEMMA3_TEXT,
+    GPT2,
+    JAMBA,
+    LLAMA,
+    M2M_100,
+    MARIAN,
+    MBART,
+    MISTRAL,
+    PEGASUS,
+    PHI3,
+    PIX2STRUCT,
+    QWEN2,
+    QWEN3,
+    T5,
+    WHISPER,
+    WHISPER_MAX_SOURCE_POSITIONS,
+)
 from transformers_flexcache.export import (
     ExportableDecoderOnly,
     ExportableEncoderDecoder,
@@ -97,6 +115,27 @@ def test_exported_model_matches_eager_generate_for_every_shape_with_one_program(
     pointers = [b.data_ptr() for b in programs.wrapper.buffers()]
     assert_matches_eager_for_every_shape(programs, upstream, case, shapes, seed=1)
     assert [b.data_ptr() for b in programs.wrapper.buffers()] == pointers, "a cache buffer was reallocated"
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        MARIAN,  # a BART copy upstream, through FlexBartAttentionMixin
+        MISTRAL,  # the generic route; every layer a sliding window of 4, shorter than the calls
+        *(pytest.param(case, marks=pytest.mark.slow) for case in (M2M_100, MBART, PEGASUS)),
+        *(pytest.param(case, marks=pytest.mark.slow) for case in (QWEN2, QWEN3, PHI3, GPT2, GEMMA3_TEXT)),
+    ],
+    ids=lambda case: case.name,
+)
+def test_exported_bart_copies_and_generic_decoder_only_models_match_eager_generate(case):
+    upstream, flex = case.build(seed=1)
+    if upstream.config.is_encoder_decoder:
+        programs = export_encoder_decoder(flex, **CAPACITY)
+    else:
+        programs = export_decoder_only(flex, **LLAMA_CAPACITY)
+    # Prompts and decoding past the window of the sliding-window layers: the program stores every position and the
+    # model's sliding mask hides those that DynamicSlidingWindowLayer would have dropped.
+    assert_matches_eager_for_every_shape(programs, upstream, case, SHAPES, seed=1)
 
 
 def test_exported_t5_logits_keep_the_d_model_output_scaling(t5):

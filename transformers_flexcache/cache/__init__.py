@@ -10,6 +10,8 @@ Layout (one job per file):
   tensor-parallel heads, dtypes).
 - `containers.py`: the self-attention, cross-attention and encoder-decoder caches, which alone decide capacity and
   growth.
+- `buffer_views.py`: caches over an export wrapper's buffers, built for one call of an exported program (used by
+  `transformers_flexcache.export` only).
 """
 
 from .config import CacheConfig, Overflow, overflow_message

@@ -31,7 +31,7 @@ encoder inputs and the logits:
 Design decisions:
 - The wrapper module owns the cache as registered buffers, allocated once at the maximum shape; ExecuTorch plans
   them once and shares them between the methods (`share_mutable_buffers=True`): what one method writes, the others
-  read, and everything persists between calls. Layout in `cache_views.py`: packed 2-d buffers written in place.
+  read, and everything persists between calls. Layout in `cache/buffer_views.py`: packed 2-d buffers written in place.
 - Each call builds a `FlexibleEncoderDecoderCache` (or `FlexibleStaticCache`) over views of those buffers and runs
   the model's own forward, so the override's `update` / `get_kv` path writes and reads the cache and logits come
   from the model's own head (T5's `d_model**-0.5` output scaling is kept).
@@ -48,35 +48,23 @@ Design decisions:
 - Capacities and inputs are checked in Python by the runners (`ExportedPrograms`, `ExecuTorchPrograms`) before a
   program runs: a `ValueError` names the value, the limit and the fix.
 
-Layout: `cache_views.py` (the cache objects of one call), `rewrites.py` (export-time attention and norms, an edge
+Layout: `../cache/buffer_views.py` (the cache objects of one call, in the cache package: they subclass its layers), `rewrites.py` (export-time attention and norms, an edge
 pass), `modules.py` (the traced wrappers), `api.py` (export functions), `runners.py` (checks, torch and ExecuTorch
 execution), `lowering.py` (the `.pte`), `quantize.py` (torchao), `generate.py` (greedy and sampling), `cli.py`
 (`python -m transformers_flexcache export`), `measure.py` (timings against eager and transformers' exporter).
 """
 
 from .api import export_decoder_only, export_encoder_decoder, export_model
-from .cache_views import (
-    BufferViewCrossAttentionCache,
-    BufferViewEncoderDecoderCache,
-    BufferViewLayer,
-    PositionedCache,
-    PositionedLayer,
-)
 from .generate import generate, greedy_generate
 from .modules import ENCODER_INPUTS, ExportableDecoderOnly, ExportableEncoderDecoder, export_programs
 from .runners import ExecuTorchPrograms, ExportedPrograms, ProgramRunner
 
 __all__ = [
     "ENCODER_INPUTS",
-    "BufferViewCrossAttentionCache",
-    "BufferViewEncoderDecoderCache",
-    "BufferViewLayer",
     "ExecuTorchPrograms",
     "ExportableDecoderOnly",
     "ExportableEncoderDecoder",
     "ExportedPrograms",
-    "PositionedCache",
-    "PositionedLayer",
     "ProgramRunner",
     "export_decoder_only",
     "export_encoder_decoder",

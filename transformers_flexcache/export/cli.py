@@ -20,13 +20,9 @@ import time
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 # Upstream AutoModel class per supported model type, where `config.architectures` does not name the class.
 _AUTO_CLASSES = {
-    "llama": "AutoModelForCausalLM",
-    "jamba": "AutoModelForCausalLM",
-    "t5": "AutoModelForSeq2SeqLM",
-    "bart": "AutoModelForSeq2SeqLM",
     "whisper": "AutoModelForSpeechSeq2Seq",
     "pix2struct": "AutoModelForImageTextToText",
-}
+}  # others: AutoModelForSeq2SeqLM for encoder-decoder models, AutoModelForCausalLM for decoder-only ones
 # Why a supported model type cannot be exported yet (checked before loading).
 NOT_EXPORTABLE = {
     "jamba": (
@@ -71,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _check_arguments(args) -> dict:
     """Check everything that can be checked without loading weights; returns the config and resolved options."""
-    from ..registry import SUPPORTED_MODEL_TYPES
+    from ..registry import GENERIC_MODEL_TYPES, SUPPORTED_MODEL_TYPES
     from .lowering import check_backend
     from .modules import ENCODER_INPUTS, check_capacities
     from .quantize import check_quantize
@@ -84,8 +80,9 @@ def _check_arguments(args) -> dict:
     with open(config_path) as file:
         config = json.load(file)
     model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise CommandError(f"model_type={model_type!r} of {args.model_dir} is not one of {SUPPORTED_MODEL_TYPES}")
+    supported = SUPPORTED_MODEL_TYPES + GENERIC_MODEL_TYPES
+    if model_type not in supported:
+        raise CommandError(f"model_type={model_type!r} of {args.model_dir} is not one of {supported}")
     if model_type in NOT_EXPORTABLE:
         raise CommandError(f"model_type={model_type!r} cannot be exported: {NOT_EXPORTABLE[model_type]}")
     try:
@@ -94,7 +91,7 @@ def _check_arguments(args) -> dict:
         check_quantize(args.quantize, args.backend)
     except ValueError as error:
         raise CommandError(_as_flags(str(error))) from error
-    encoder_decoder = bool(config.get("is_encoder_decoder", model_type in ("t5", "bart", "whisper", "pix2struct")))
+    encoder_decoder = _is_encoder_decoder(args.model_dir)
     max_encoder_len, encoder_input = args.max_encoder_len, args.encoder_input
     if not encoder_decoder:
         if max_encoder_len is not None or encoder_input is not None:
@@ -129,6 +126,13 @@ def _check_arguments(args) -> dict:
     return {"config": config, "max_encoder_len": max_encoder_len, "encoder_input": encoder_input}
 
 
+def _is_encoder_decoder(model_dir: str) -> bool:
+    """What upstream's config class of the checkpoint says (a saved `config.json` may leave the default out)."""
+    from transformers import AutoConfig
+
+    return bool(AutoConfig.from_pretrained(model_dir).is_encoder_decoder)
+
+
 def _check_bf16(backend: str) -> None:
     from .lowering import bf16_unsupported_reason
 
@@ -147,7 +151,8 @@ def load_model(model_dir: str, config: dict, dtype: str):
     names = config.get("architectures") or []
     upstream_class = next((getattr(transformers, name) for name in names if hasattr(transformers, name)), None)
     if upstream_class is None:
-        upstream_class = getattr(transformers, _AUTO_CLASSES[config["model_type"]])
+        default = "AutoModelForSeq2SeqLM" if config.get("is_encoder_decoder") else "AutoModelForCausalLM"
+        upstream_class = getattr(transformers, _AUTO_CLASSES.get(config["model_type"], default))
     model = upstream_class.from_pretrained(model_dir, dtype=getattr(torch, DTYPES[dtype]))
     return convert(model).eval()
 

@@ -9,8 +9,7 @@ import torch
 from torch import nn
 from torch.export import Dim, ExportedProgram
 
-from ..modeling import FlexModelMixin
-from .cache_views import (
+from ..cache.buffer_views import (
     BufferViewCrossAttentionCache,
     BufferViewEncoderDecoderCache,
     BufferViewLayer,
@@ -20,14 +19,13 @@ from .cache_views import (
     packed_view,
     self_attention_rows,
 )
+from ..modeling import FlexModelMixin
 from .rewrites import export_friendly, infer_symbolic_view_dims
 
 # What an encoder-decoder `encoder` method takes: token ids, Whisper's log-mel frames, Pix2Struct's patches, or the
 # encoder's output itself.
 ENCODER_INPUTS = ("input_ids", "input_features", "flattened_patches", "encoder_hidden_states")
 FLOAT_INPUTS = ("input_features", "flattened_patches", "encoder_hidden_states")
-# Keyword of the model's forward that masks cross-attention, where it is not `attention_mask`.
-_ENCODER_MASK_KEYWORDS = {"whisper": "encoder_attention_mask"}
 
 
 def _check_model(model: nn.Module, *, encoder_decoder: bool) -> None:
@@ -216,10 +214,10 @@ class ExportableEncoderDecoder(_ExportableBase):
 
     @property
     def _encoder_mask_keyword(self) -> str:
-        # Whisper's encoder takes no mask; its decoder's cross-attention mask comes from `encoder_attention_mask`,
-        # which model_overrides/whisper.py adds. The others mask both encoder and cross-attention with
-        # `attention_mask`.
-        return _ENCODER_MASK_KEYWORDS.get(self.model.config.model_type, "attention_mask")
+        # The override says which keyword of its forward masks cross-attention (`_flex_encoder_mask_key`): Whisper's
+        # encoder takes no mask, and model_overrides/whisper.py adds `encoder_attention_mask` for its decoder; the
+        # others mask both encoder and cross-attention with `attention_mask`.
+        return self.model._flex_encoder_mask_key
 
     def _cache(self, batch_size, cache_position: torch.Tensor, encoder_len) -> BufferViewEncoderDecoderCache:
         # encoder_len: 0 while the cross-attention keys/values are still to be written (in `encoder`)

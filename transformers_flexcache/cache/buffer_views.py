@@ -1,6 +1,7 @@
-"""The cache of one call of an exported program: flexible-cache objects over the wrapper's packed buffers.
+"""The cache of one call of an exported program: flexible-cache objects over the export wrapper's packed buffers.
 
-Shapes as in `transformers_flexcache.export`. These classes allocate nothing: the wrapper module owns the storage
+Shapes as in `transformers_flexcache.export`, which alone uses this module; it lives in the cache package because
+its classes subclass the cache's layers and set their storage. These classes allocate nothing: the wrapper module owns the storage
 (registered buffers) and builds these objects in each call, so that the model's own code reads and writes the
 buffers through the flexible cache's public methods (`update`, `get_kv`, `get_seq_length`, `get_mask_sizes`).
 
@@ -20,13 +21,9 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, EncoderDecoderCache
 
-from ..cache import (
-    FlexibleCrossAttentionCache,
-    FlexibleEncoderDecoderCache,
-    FlexibleStaticCache,
-    FlexibleStaticLayer,
-    layer_specs_from_config,
-)
+from .containers import FlexibleCrossAttentionCache, FlexibleEncoderDecoderCache, FlexibleStaticCache
+from .layers import FlexibleStaticLayer
+from .specs import layer_specs_from_config
 
 
 def layer_shapes(config) -> list[tuple[str, int, int]]:

@@ -21,14 +21,26 @@ from tests.model_cases import MODEL_CASES
 COMPILE_STREAM = [(4, 12, 3), (1, 5, 3), (3, 9, 2), (2, 3, 3), (4, 10, 2), (1, 7, 3)]
 COMPILE_CAPACITY = {"max_batch_size": 4, "max_cache_len": 16, "max_encoder_len": 12, "max_prompt_len": 12}
 
-CASES = [
-    pytest.param(
-        case,
-        id=case.name,
-        marks=[pytest.mark.xfail(reason=case.compile_opt_out, strict=True)] if case.compile_opt_out else [],
-    )
-    for case in MODEL_CASES
-]
+# Each case compiles (traces) its model once per test, 5-25 s apiece on 2 cores: the default run keeps every model of
+# the first version, one BART copy and the generic route's hybrid and all-sliding models; the others run with -m slow.
+DEFAULT_CASES = {
+    "generate": {"llama", "t5", "bart", "whisper", "jamba", "pix2struct", "marian", "qwen2", "mistral", "gemma3_text"},
+    "forward": {"llama", "t5", "bart", "whisper", "jamba", "pix2struct"},
+}
+
+
+def cases(test: str) -> list:
+    return [
+        pytest.param(
+            case,
+            id=case.name,
+            marks=[
+                *([pytest.mark.xfail(reason=case.compile_opt_out, strict=True)] if case.compile_opt_out else []),
+                *([] if case.name in DEFAULT_CASES[test] else [pytest.mark.slow]),
+            ],
+        )
+        for case in MODEL_CASES
+    ]
 
 
 @pytest.fixture(autouse=True)
@@ -75,7 +87,7 @@ def run_stream(case, upstream, flex, counter: CompileCounter, **flex_kwargs) -> 
     return graphs
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", cases("generate"))
 def test_padded_stream_with_generate_compile_config_compiles_the_decode_step_once(case):
     upstream, flex = case.build("sdpa")
     counter = CompileCounter()
@@ -86,7 +98,7 @@ def test_padded_stream_with_generate_compile_config_compiles_the_decode_step_onc
     assert graphs == [1] * len(COMPILE_STREAM)
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", cases("forward"))
 def test_padded_stream_with_compiled_forward_compiles_prefill_and_decode_once(case):
     upstream, flex = case.build("sdpa")
     counter = CompileCounter()

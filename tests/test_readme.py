@@ -46,10 +46,14 @@ def test_readme_code_blocks_run_as_pasted(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "FlexT5ForConditionalGeneration" in result.stdout
-    assert "True" in result.stdout.splitlines()  # the exported program's tokens equal generate's
+    assert "[(2, 16), (2, 64), (8, 16), (8, 64)]" in result.stdout.splitlines()  # the bucketed shapes, as printed
+    outputs = []
     for lang, code, why in blocks:
         if lang == "bash" and why is None:
             shell = subprocess.run(
                 ["bash", "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
             )
             assert shell.returncode == 0, shell.stderr[-4000:]
+            outputs.append(shell.stdout)
+    assert any("wrote tiny-t5.pte" in output for output in outputs)  # the export command ran
+    assert any("same tokens as generate" in output.splitlines() for output in outputs)  # the .pte in ExecuTorch

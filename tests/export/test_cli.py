@@ -17,7 +17,8 @@ import torch
 from tests.export.conftest import CAPACITY, LLAMA_MAX_CACHE_LEN, needs_executorch, run_command
 from tests.export.helpers import DEFAULT_CLI_TYPES, ONE_LAYER, assert_matches_eager_for_every_shape
 from tests.model_cases import JAMBA, WHISPER_MAX_SOURCE_POSITIONS
-from transformers_flexcache.export import ExecuTorchPrograms
+from transformers_flexcache.export import ExecuTorchPrograms, export_model
+from transformers_flexcache.export.lowering import NOT_LOWERABLE, lower_to_executorch
 
 pytestmark = needs_executorch
 
@@ -30,7 +31,11 @@ SHAPES["whisper"] = [(3, WHISPER_MAX_SOURCE_POSITIONS), (1, WHISPER_MAX_SOURCE_P
 
 @pytest.mark.parametrize(
     "model_type",
-    [name if name in DEFAULT_CLI_TYPES else pytest.param(name, marks=pytest.mark.slow) for name in ONE_LAYER],
+    [
+        name if name in DEFAULT_CLI_TYPES else pytest.param(name, marks=pytest.mark.slow)
+        for name in ONE_LAYER
+        if name not in NOT_LOWERABLE
+    ],
 )
 def test_cli_export_of_each_model_type_generates_eager_tokens_in_executorch(cli_exports, model_type):
     upstream, path, _ = cli_exports[model_type]
@@ -115,6 +120,27 @@ def test_cli_refuses_jamba_with_the_reason_before_loading_it(tmp_path):
     assert status == 2
     assert "model_type='jamba' cannot be exported: its Mamba scan is a Python loop over the prompt length" in stderr
     assert not os.path.exists(tmp_path / "m.pte")
+
+
+@pytest.mark.parametrize("model_type", sorted(NOT_LOWERABLE))
+def test_cli_refuses_a_model_type_that_executorch_does_not_lower_before_loading_it(tmp_path, model_type):
+    upstream, _ = ONE_LAYER[model_type].build()
+    upstream.save_pretrained(tmp_path)
+    status, _, stderr = run_command("export", str(tmp_path), "--out", str(tmp_path / "m.pte"), *CAPACITY)
+    assert status == 2 and f"model_type={model_type!r} does not lower to a .pte: " in stderr, stderr
+    assert "measured with executorch 1.4.1" in stderr and not os.path.exists(tmp_path / "m.pte")
+
+
+@pytest.mark.slow
+def test_lowering_refuses_and_removes_a_pte_whose_input_bounds_executorch_narrowed(tmp_path, monkeypatch):
+    # Phi3 without its NOT_LOWERABLE entry: ExecuTorch's re-tracing narrows the batch bound of `prefill` (3 -> 2).
+    monkeypatch.delitem(NOT_LOWERABLE, "phi3")
+    _, flex = ONE_LAYER["phi3"].build(seed=1)
+    programs = export_model(flex, max_batch_size=3, max_cache_len=16)
+    path = tmp_path / "phi3.pte"
+    with pytest.raises(ValueError, match=r"lowered method 'prefill' of this phi3 model with input bounds \[\[2, 16\]"):
+        lower_to_executorch(programs, path, backend="portable")
+    assert not path.exists()
 
 
 def test_exported_pte_serves_every_batch_from_one_planned_cache(cli_exports):

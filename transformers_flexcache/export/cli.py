@@ -85,6 +85,13 @@ def _check_arguments(args) -> dict:
         raise CommandError(f"model_type={model_type!r} of {args.model_dir} is not one of {supported}")
     if model_type in NOT_EXPORTABLE:
         raise CommandError(f"model_type={model_type!r} cannot be exported: {NOT_EXPORTABLE[model_type]}")
+    from .lowering import NOT_LOWERABLE
+
+    if model_type in NOT_LOWERABLE:
+        raise CommandError(
+            f"model_type={model_type!r} does not lower to a .pte: {NOT_LOWERABLE[model_type]}; its torch programs "
+            "serve every shape in Python (transformers_flexcache.export.export_model)"
+        )
     try:
         check_capacities(max_batch_size=args.max_batch_size, max_cache_len=args.max_cache_len)
         check_backend(args.backend)

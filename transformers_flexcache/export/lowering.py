@@ -25,6 +25,19 @@ import time
 from collections.abc import Callable
 
 BACKENDS = ("xnnpack", "portable")
+# Model types whose programs export (torch programs serve every shape) but do not lower with executorch 1.4.1, as
+# measured; `lower_to_executorch` refuses them before spending minutes, and the export command before loading.
+NOT_LOWERABLE = {
+    "phi3": (
+        "ExecuTorch's re-tracing of its methods narrows the batch bound (max_batch_size=3 became 2) and makes an "
+        "`arange` static, so calls within the capacities fail in the runtime (`set_inputs` error 0x10); measured with "
+        "executorch 1.4.1 on a tiny Phi3"
+    ),
+    "gpt2": (
+        "ExecuTorch's ReplaceViewCopyWithViewPass fails on it (\"_ViewSpec is incompatible with its base on creation. "
+        'It has shape_dynamism=0, but its base has shape_dynamism=1"); measured with executorch 1.4.1 on a tiny GPT2'
+    ),
+}
 
 # XNNPACK's preprocessing runs 17 graph passes on every partition, and most re-trace the partition with symbolic
 # shapes (about 0.05 s per pass and partition for t5-small). These ones change nothing unless the partition holds one
@@ -164,9 +177,16 @@ def lower_to_executorch(
 
     Raises:
         ImportError: executorch is not installed (`pip install "transformers-flexcache[executorch]"`).
-        ValueError: an unknown `backend`, or `methods` that the program does not have.
+        ValueError: an unknown `backend`, `methods` that the program does not have, a model type of `NOT_LOWERABLE`,
+            or a `.pte` whose input bounds ExecuTorch narrowed below the capacities (nothing is written then).
     """
     check_backend(backend)
+    model_type = getattr(runner.wrapper.model.config, "model_type", None)
+    if model_type in NOT_LOWERABLE:
+        raise ValueError(
+            f"model_type={model_type!r} does not lower to ExecuTorch: {NOT_LOWERABLE[model_type]}. Its torch programs "
+            "(export_model) serve every shape"
+        )
     programs = runner.programs
     if methods is not None:
         unknown = sorted(set(methods) - set(programs))
@@ -188,6 +208,8 @@ def lower_to_executorch(
             on_stage(name, seconds[name])
 
     metadata = program_metadata(runner)
+    # Before lowering: ExecuTorch's passes may narrow the programs' constraints in place.
+    input_bounds = {name: _input_upper_bounds(exported) for name, exported in programs.items()}
     started = time.perf_counter()
     if backend == "xnnpack":
         with _xnnpack_passes_limited_to_each_partition():
@@ -215,6 +237,7 @@ def lower_to_executorch(
     with open(path, "wb") as file:
         program.write_to_file(file)
     stage("write", started)
+    _check_input_bounds(path, input_bounds, runner)
     planned, shared = _planned_memory(program, runner, programs)
     return LoweringReport(
         path=os.fspath(path),
@@ -225,6 +248,45 @@ def lower_to_executorch(
         num_partitions=num_partitions,
         metadata=metadata,
     )
+
+
+def _input_upper_bounds(exported) -> list[list[int]]:
+    """The largest shape of each user input of an exported program, from its range constraints."""
+    import torch
+
+    bounds = {symbol: constraint.upper for symbol, constraint in exported.range_constraints.items()}
+    names = set(exported.graph_signature.user_inputs)
+    shapes = []
+    for node in exported.graph.nodes:
+        if node.op == "placeholder" and node.name in names:
+            shape = []
+            for size in node.meta["val"].shape:
+                expr = size.node.expr if isinstance(size, torch.SymInt) else size
+                shape.append(int(expr.subs(bounds)) if hasattr(expr, "subs") else int(expr))
+            shapes.append(shape)
+    return shapes
+
+
+def _check_input_bounds(path, input_bounds: dict[str, list[list[int]]], runner) -> None:
+    """Refuse (and remove) a `.pte` whose methods take smaller inputs than the exported programs. ExecuTorch re-traces
+    each method, and where it loses a dynamic size there (measured on Phi3: the batch bound 3 became 2, and an
+    `arange` became static), calls within the capacities would fail in the runtime (`set_inputs` error 0x10)."""
+    from executorch.runtime import Runtime
+
+    program = Runtime.get().load_program(os.fspath(path))
+    for name, want in input_bounds.items():
+        meta = program.metadata(name)
+        got = [list(meta.input_tensor_meta(index).sizes()) for index in range(meta.num_inputs())]
+        if got != want:
+            os.remove(path)
+            model = runner.wrapper.model
+            model_type = getattr(model.config, "model_type", type(model).__name__)
+            raise ValueError(
+                f"ExecuTorch lowered method {name!r} of this {model_type} model with input bounds {got}, smaller than "
+                f"the exported program's {want} (the capacities): calls within them would fail in its runtime, so no "
+                f".pte was written. This model type does not lower with this version of executorch; its torch "
+                "programs (export_model) still serve every shape"
+            )
 
 
 def _planned_memory(program, runner, programs) -> tuple[dict[str, int], int]:

@@ -21,12 +21,15 @@ def build_parser() -> argparse.ArgumentParser:
     subcommands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     bench_parser = subcommands.add_parser(
         "bench",
-        help="benchmark DynamicCache, static and flexible_static caches (and CTranslate2) on one stream of calls",
+        help="benchmark DynamicCache, static and flexible_static caches (and CTranslate2, ExecuTorch programs) on one "
+        "stream of calls",
         description=(
             "Run one seeded stream of generate calls (varying batch and input length, fixed new tokens) under each "
             "cache strategy, interleaved, on real-sized random models; print time, tokens/s, step latency, cache "
             "allocations and memory with their ratios to DynamicCache, and check that every strategy generates "
-            "DynamicCache's tokens (exit status 1 if not)."
+            "DynamicCache's tokens (exit status 1 if not). With --strategies executorch,executorch-8da4w,"
+            "executorch-transformers, also exported programs in ExecuTorch's runtime, with their export and "
+            "lowering time."
         ),
     )
     bench.add_arguments(bench_parser)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers.generation.logits_process import LogitsProcessorList, SuppressTokensAtBeginLogitsProcessor
 
 from tests.export.helpers import (
     CAPACITY,
@@ -302,3 +303,18 @@ def test_exportable_wrapper_refuses_jamba_whose_mamba_layers_it_does_not_cover()
     _, flex = JAMBA.build()
     with pytest.raises(ValueError, match=r"has \['linear_attention'\] layers, which export does not cover"):
         ExportableDecoderOnly(flex, max_batch_size=2, max_cache_len=8)
+
+
+def test_generate_applies_upstream_logits_processors_where_upstream_generate_applies_them(llama):
+    upstream, programs = llama
+    prompt_len = 5
+    inputs = LLAMA.make_inputs(3, prompt_len, torch.Generator().manual_seed(10))
+    config = upstream.generation_config
+    token_ids = {"eos_token_id": config.eos_token_id, "pad_token_id": config.pad_token_id}
+    plain = generate(programs, **inputs, max_new_tokens=NEW_TOKENS, **token_ids)
+    first = plain[:, prompt_len].unique().tolist()  # suppressing the first tokens it chose changes every row
+    processors = LogitsProcessorList([SuppressTokensAtBeginLogitsProcessor(first, begin_index=prompt_len)])
+    tokens = generate(programs, **inputs, max_new_tokens=NEW_TOKENS, logits_processor=processors, **token_ids)
+    expected = upstream.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, begin_suppress_tokens=first)
+    assert not torch.equal(tokens, plain)
+    assert torch.equal(tokens, expected), (tokens, expected)

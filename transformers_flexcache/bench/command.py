@@ -20,7 +20,13 @@ Design decisions:
   shared machine falls on every strategy alike. Each strategy first makes one untimed warm-up call; its
   allocations and compiled graphs count, its time does not.
 - The reference is upstream's DynamicCache: every strategy's tokens are compared with its tokens on every call,
-  the command says whether they were all equal, and exits with 1 when they were not.
+  the command says whether they were all equal, and exits with 1 when they were not. Strategies that cannot be
+  exact (`exact=False`: quantized weights, transformers' exported programs, which take no padding mask) report
+  how far their tokens agree instead, and never fail the run.
+- ExecuTorch strategies (`executorch.py`) run exported programs on the same stream, interleaved like the others:
+  ours (`executorch`, `executorch-8da4w`) and transformers' exporter (`executorch-transformers`). They run only
+  when named (exporting and lowering a real-sized model takes minutes), for every model that export supports (a
+  refused one gets a note), and report their export and lowering time apart from the warm time.
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ from transformers.utils import logging as hf_logging
 
 from ..compilation import compile_config_for_cpu, compile_settings, warmup
 from ..request import FLEXIBLE_STATIC
+from .executorch import OURS as EXECUTORCH
+from .executorch import TRANSFORMERS as TRANSFORMERS_EXPORTER
 from .measure import (
     CacheStorageTracker,
     CallRecord,
@@ -83,6 +91,11 @@ class Strategy:
         warm_up_every_shape: compile every shape before the stream (`warmup()`), instead of one warm-up call.
         default: whether the strategy runs without `--strategies`.
         default_models: the models it runs for by default (None: all); named in `--strategies`, it runs for all.
+        runtime: `"torch"` (the model's `generate`), `"executorch"` (our `.pte`) or `"executorch-transformers"`
+            (transformers' exported programs); see `executorch.py`.
+        quantize: torchao weight quantization before export (`quantize_model_` modes; ExecuTorch only).
+        exact: whether its tokens must equal DynamicCache's (a difference fails the run); otherwise their
+            agreement is reported.
     """
 
     name: str
@@ -94,6 +107,9 @@ class Strategy:
     warm_up_every_shape: bool = False
     default: bool = True
     default_models: tuple[str, ...] | None = None
+    runtime: str = "torch"
+    quantize: str = "none"
+    exact: bool = True
 
     @property
     def flexible(self) -> bool:
@@ -163,6 +179,10 @@ STRATEGIES = (
         warm_up_every_shape=True,
         default_models=COMPILED_MODELS,
     ),
+    # Exported programs in ExecuTorch's runtime, XNNPACK: only when named.
+    Strategy("executorch", runtime=EXECUTORCH, default=False),
+    Strategy("executorch-8da4w", runtime=EXECUTORCH, quantize="8da4w", exact=False, default=False),
+    Strategy("executorch-transformers", runtime=TRANSFORMERS_EXPORTER, exact=False, default=False),
 )
 STRATEGIES_BY_NAME = {strategy.name: strategy for strategy in STRATEGIES}
 
@@ -328,11 +348,45 @@ class ModelResult:
     records: dict[str, list[CallRecord]] = field(default_factory=dict)
     warm_ups: dict[str, CallRecord] = field(default_factory=dict)
     mismatches: dict[str, list[int]] = field(default_factory=dict)  # strategy -> calls whose tokens differ
+    agreement_only: set[str] = field(default_factory=set)  # strategies not held to DynamicCache's tokens
+    lowering: dict[str, dict] = field(default_factory=dict)  # ExecuTorch strategy -> export and lowering figures
     decode_step_bytes: dict = field(default_factory=dict)  # weights and cache read by a decode step at the max batch
     floor_step_ms: float | None = None  # those bytes over the measured read bandwidth
 
+    def add_call(self, records: dict[str, CallRecord]) -> None:
+        """The records of one call of the stream, one per strategy: kept, and compared with DynamicCache's."""
+        index = len(self.records.get(BASELINE, ()))
+        expected = records[BASELINE].tokens
+        for name, record in records.items():
+            self.records.setdefault(name, []).append(record)
+            if not torch.equal(record.tokens, expected):
+                self.mismatches.setdefault(name, []).append(index)
+
+    @property
+    def failing_mismatches(self) -> dict[str, list[int]]:
+        """The mismatches that fail the run: those of strategies held to DynamicCache's tokens."""
+        return {name: calls for name, calls in self.mismatches.items() if calls and name not in self.agreement_only}
+
+    def call_agreement(self, name: str) -> list[dict]:
+        """Per call of `name`: its tokens and rows equal to DynamicCache's, out of how many."""
+        agreement = []
+        for record, reference in zip(self.records[name], self.records.get(BASELINE, []), strict=True):
+            if record.tokens.shape == reference.tokens.shape:
+                equal = record.tokens == reference.tokens  # [B, N]
+            else:
+                equal = torch.zeros(reference.tokens.shape, dtype=torch.bool)
+            agreement.append(
+                {
+                    "tokens_equal": int(equal.sum()),
+                    "num_tokens": equal.numel(),
+                    "rows_equal": int(equal.all(dim=-1).sum()),
+                    "num_rows": equal.shape[0],
+                }
+            )
+        return agreement
+
     def summary(self) -> dict[str, dict]:
-        """Figures per strategy, each with its ratios to DynamicCache and whether its tokens matched."""
+        """Figures per strategy, each with its ratios to DynamicCache, whether its tokens matched and how far."""
         figures = {name: summarize(records, warm_up=self.warm_ups.get(name)) for name, records in self.records.items()}
         baseline = figures.get(BASELINE)
         for name, values in figures.items():
@@ -340,6 +394,13 @@ class ModelResult:
             step = values["largest_batch_step_ms"]
             values["largest_batch_step_vs_floor"] = step / self.floor_step_ms if step and self.floor_step_ms else None
             values["outputs_equal"] = not self.mismatches.get(name)
+            values["exact"] = name not in self.agreement_only
+            agreement = self.call_agreement(name) if baseline else []
+            num_tokens = sum(call["num_tokens"] for call in agreement)
+            equal_tokens = sum(call["tokens_equal"] for call in agreement)
+            values["token_agreement"] = equal_tokens / num_tokens if num_tokens else None
+            values["calls_equal"] = len(self.records[name]) - len(self.mismatches.get(name, ()))
+            values["lowering"] = self.lowering.get(name)
         return figures
 
 
@@ -361,7 +422,7 @@ def run_model(model: BenchModel, args, strategies: list[Strategy], log) -> Model
     description = args.model or (f"tiny {model.name} (--quick)" if args.quick else model.description)
     result = ModelResult(model.name, description)
     strategies = strategies_for(model.name, strategies, named=args.strategies_named, quick=args.quick)
-    needs_override = any(strategy.flexible for strategy in strategies)
+    needs_override = any(strategy.flexible or strategy.runtime == EXECUTORCH for strategy in strategies)
     upstream, flex = build_models(
         model, quick=args.quick, checkpoint=args.model, seed=args.seed, with_override=needs_override
     )
@@ -395,6 +456,10 @@ def run_model(model: BenchModel, args, strategies: list[Strategy], log) -> Model
         peer, note = _ctranslate2_runner(upstream, args.threads, device=args.device, dtype=args.dtype)
         if note:
             result.notes.append(note)
+    # Exported and lowered before the torch models move: ExecuTorch runs the fp32 weights on the CPU.
+    exported = _executorch_runners(
+        [strategy for strategy in strategies if strategy.runtime != "torch"], upstream, flex, result, args, log
+    )
     dtype = getattr(torch, args.dtype)
     upstream.to(device=args.device, dtype=dtype)
     if flex is not None:
@@ -410,7 +475,9 @@ def run_model(model: BenchModel, args, strategies: list[Strategy], log) -> Model
             buckets=result.buckets,
         )
         for strategy in strategies
+        if strategy.runtime == "torch"
     ]
+    runners += exported
     if peer is not None:
         runners.append(peer)
 
@@ -428,7 +495,7 @@ def run_model(model: BenchModel, args, strategies: list[Strategy], log) -> Model
         except Exception as error:
             message = f"{runner.name} failed on the warm-up call: {type(error).__name__}: {error}"
             runners.remove(runner)
-            ours = isinstance(runner, TorchRunner) and runner.strategy.flexible
+            ours = runner.strategy.flexible if isinstance(runner, TorchRunner) else getattr(runner, "ours", False)
             (result.failures if ours or runner.name == BASELINE else result.notes).append(message)
             log(f"[{model.name}] {message}")
     if not any(runner.name == BASELINE for runner in runners):
@@ -438,18 +505,42 @@ def run_model(model: BenchModel, args, strategies: list[Strategy], log) -> Model
     for index, call in enumerate(progress):
         inputs = model.make_inputs(config, call.batch_size, call.length, generator)
         order = runners[index % len(runners) :] + runners[: index % len(runners)]
-        records = {runner.name: runner.run(inputs, args.new_tokens) for runner in order}
-        expected = records[BASELINE].tokens
-        for name, record in records.items():
-            result.records.setdefault(name, []).append(record)
-            if not torch.equal(record.tokens, expected):
-                result.mismatches.setdefault(name, []).append(index)
+        result.add_call({runner.name: runner.run(inputs, args.new_tokens) for runner in order})
 
     result.decode_step_bytes = _decode_step_bytes(model, upstream, result, generator, args.device)
     if args.bandwidth:
         result.floor_step_ms = 1e3 * sum(result.decode_step_bytes.values()) / args.bandwidth
     torch._dynamo.reset()  # compiled graphs and frozen weights of this model are not needed any more
     return result
+
+
+def _executorch_runners(strategies: list[Strategy], upstream, flex, result: ModelResult, args, log) -> list:
+    """The runners of the ExecuTorch `strategies`, exported and lowered. A row that cannot run here gets a note; one
+    of ours that fails to export or lower a model that export supports, a failure (transformers' exporter: a note)."""
+    from .executorch import Unavailable, build_runner, check_runnable
+
+    runners = []
+    for strategy in strategies:
+        if not strategy.exact:
+            result.agreement_only.add(strategy.name)
+        try:
+            check_runnable(strategy, upstream=upstream, device=args.device, dtype=args.dtype)
+        except Unavailable as reason:
+            result.notes.append(f"no {strategy.name} row: {reason}")
+            continue
+        log(f"[{result.name}] {strategy.name}: exporting and lowering (XNNPACK)")
+        try:
+            runner = build_runner(strategy, upstream=upstream, flex=flex, capacities=result.capacities)
+        except Exception as error:
+            message = f"{strategy.name} failed to export or lower: {type(error).__name__}: {error}"
+            (result.failures if strategy.runtime == EXECUTORCH else result.notes).append(message)
+            log(f"[{result.name}] {message}")
+            continue
+        result.lowering[strategy.name] = lowering = runner.lowering
+        seconds = f"exported in {lowering['export_s']:.1f} s, lowered in {lowering['lower_s']:.1f} s"
+        log(f"[{result.name}] {strategy.name}: {seconds}")
+        runners.append(runner)
+    return runners
 
 
 def _decode_step_bytes(model: BenchModel, upstream, result: ModelResult, generator, device) -> dict:
@@ -501,6 +592,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `bench` subcommand's options."""
     default_strategies = default_strategy_names()
     compiled = ",".join(s.name for s in STRATEGIES if s.default and s.default_models)
+    executorch = ",".join(s.name for s in STRATEGIES if s.runtime != "torch")
     parser.add_argument(
         "--models",
         default=",".join(DEFAULT_MODELS),
@@ -512,7 +604,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"comma-separated strategies, of {','.join(STRATEGIES_BY_NAME)} (default: {default_strategies}; "
         f"{compiled} only for {','.join(COMPILED_MODELS)}, and not with --quick; named ones run for every model); "
-        f"{BASELINE} always runs, as the reference",
+        f"{BASELINE} always runs, as the reference. {executorch} run only when named: exported programs in "
+        "ExecuTorch's runtime (XNNPACK, CPU, float32), for every model that export supports: ours in fp32 (tokens "
+        "must equal DynamicCache's), ours with torchao 8da4w weights and transformers' own exporter (exported at "
+        "batch 1 and the largest batch, other batches padded; exports counted), whose token agreement is reported, "
+        "not required. Exporting and lowering take minutes per real-sized model and are reported apart from the "
+        "warm time",
     )
     parser.add_argument("--calls", type=int, default=None, help="generate calls per model (default 20; --quick: 6)")
     parser.add_argument(
@@ -610,6 +707,15 @@ def _write_json(report: dict, path: str) -> None:
         json.dump(report, f, indent=2)
 
 
+def _executorch_threads(strategies: list[Strategy], threads: int):
+    """ExecuTorch's threadpool at the bench's threads while ExecuTorch strategies run (where it is installed)."""
+    from .executorch import executorch_available, executorch_threads
+
+    if all(strategy.runtime == "torch" for strategy in strategies) or executorch_available():
+        return contextlib.nullcontext()
+    return executorch_threads(threads)
+
+
 @contextlib.contextmanager
 def _quiet_transformers():
     # generate's per-call notices (e.g. "max_new_tokens and max_length both set") would bury the progress bar.
@@ -651,7 +757,11 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     try:
         # The strategies of one model compile one function (the model's `__call__`) into several graphs (and
         # several models the same code): more than dynamo's default of 8 per function would run the rest eagerly.
-        with _quiet_transformers(), torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=512):
+        with (
+            _quiet_transformers(),
+            torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=512),
+            _executorch_threads(selected, args.threads),
+        ):
             for model in models:
                 results.append(run_model(model, args, selected, log))
                 report = to_json(results, args=args, machine=machine, elapsed_s=time.perf_counter() - started)

@@ -11,6 +11,9 @@ Design decisions:
   no draw falls on a different side of a cumulative-probability boundary. `generator=` draws from another generator.
 - The defaults of `temperature`, `top_k`, `top_p` are `GenerationConfig`'s (1.0, 50, 1.0).
 - Finished rows (after `eos_token_id`) get `pad_token_id` and keep running until every row is finished, as upstream.
+- `logits_processor=` takes upstream's own processors (`LogitsProcessor`s called as `processor(sequences, scores)`,
+  with the sequences so far: prompt or start token, then the new tokens), applied after the forced EOS and before
+  the sampling warpers, where `generate(logits_processor=...)` applies a caller's.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ def generate(
     eos_token_id: int | None = None,
     pad_token_id: int | None = None,
     forced_eos_token_id: int | None = None,
+    logits_processor: LogitsProcessorList | None = None,
     output_logits: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """Decode with exported programs, as `model.generate(num_beams=1, ...)` decodes (greedy or sampling).
@@ -85,7 +89,10 @@ def generate(
         pad_token_id (`int`, *optional*): defaults to `eos_token_id`.
         forced_eos_token_id (`int`, *optional*): the last token allowed by `max_new_tokens` is this one for every
             unfinished row, as generate's `ForcedEOSTokenLogitsProcessor` does (BART checkpoints set it). No other
-            logits processor is applied.
+            logits processor is applied but those of `logits_processor`.
+        logits_processor (`LogitsProcessorList`, *optional*): upstream logits processors (e.g.
+            `MinNewTokensLengthLogitsProcessor`, `SuppressTokensAtBeginLogitsProcessor`) applied to each step's
+            scores `[B, V]` with the sequences so far, after the forced EOS and before the sampling warpers.
         output_logits (`bool`, *optional*, defaults to `False`): also return each step's raw logits, as `generate`'s
             `output_logits=True` does.
 
@@ -133,6 +140,8 @@ def generate(
         if forced_eos_token_id is not None and index == max_new_tokens - 1:
             scores = torch.full_like(scores, -float("inf"))
             scores[:, forced_eos_token_id] = 0
+        if logits_processor is not None:
+            scores = logits_processor(sequences, scores)
         scores = warpers(sequences, scores)
         if do_sample:
             next_tokens = torch.multinomial(scores.softmax(dim=-1), num_samples=1, generator=generator).squeeze(1)

@@ -20,7 +20,9 @@ Design decisions:
   JSON counts the exports that serving every batch exactly would take. Its decoder takes the encoder output each step
   and recomputes the cross-attention keys/values; its decoder-only module takes no attention mask, so padded prompts
   cannot be served exactly (counted as token mismatches).
-- Nothing here imports the benchmark; it calls `export/` only.
+- Nothing here imports the benchmark; it calls `export/` only. The benchmark's ExecuTorch strategies
+  (`transformers-flexcache bench --strategies executorch,...`) reuse `lower_ours`, `lower_upstream`,
+  `load_upstream_methods`, `upstream_program_batch` and `upstream_generate`.
 """
 
 from __future__ import annotations
@@ -196,20 +198,30 @@ class _Clock:
 
 
 # --- lowering ------------------------------------------------------------------------------------------------------
-def lower_ours(flex, capacities: dict, path: str, *, backend: str = "xnnpack", quantize: str = "none") -> dict:
-    """Export and lower our program for `flex` (a copy is quantized if asked); returns times, sizes, memory."""
+def lower_ours(
+    flex,
+    capacities: dict,
+    path: str,
+    *,
+    backend: str = "xnnpack",
+    quantize: str = "none",
+    methods: tuple[str, ...] | None = None,
+) -> dict:
+    """Export and lower our program for `flex` (a copy is quantized if asked); returns times, sizes, memory.
+
+    `methods` as in `lower_to_executorch` (default: all); `quantized_linears` counts the linears quantized."""
     from .api import export_model
     from .lowering import lower_to_executorch
     from .quantize import quantize_model_
 
-    model = flex
+    model, quantized_linears = flex, 0
     if quantize != "none":
         model = copy.deepcopy(flex)
-        quantize_model_(model, quantize)
+        quantized_linears = quantize_model_(model, quantize)
     with _Clock() as export_clock, torch.no_grad():
         programs = export_model(model, **capacities)
     with _Clock() as lower_clock:
-        report = lower_to_executorch(programs, path, backend=backend)
+        report = lower_to_executorch(programs, path, backend=backend, methods=methods)
     return {
         "export_s": export_clock.wall,
         "export_cpu_s": export_clock.cpu,
@@ -220,6 +232,7 @@ def lower_ours(flex, capacities: dict, path: str, *, backend: str = "xnnpack", q
         "planned_bytes": report.planned_bytes,
         "cache_bytes": report.shared_bytes,
         "partitions": report.num_partitions,
+        "quantized_linears": quantized_linears,
     }
 
 
@@ -229,7 +242,7 @@ def lower_upstream(upstream, capacities: dict, folder: str, *, batch_size: int) 
     from executorch.exir import to_edge_transform_and_lower
 
     with _Clock() as export_clock, torch.no_grad():
-        programs = _upstream_programs(upstream, capacities, batch_size)
+        programs = upstream_programs(upstream, capacities, batch_size)
     paths, seconds = {}, {}
     with _Clock() as lower_clock:
         for name, program in programs.items():
@@ -252,7 +265,9 @@ def lower_upstream(upstream, capacities: dict, folder: str, *, batch_size: int) 
     }
 
 
-def _upstream_programs(upstream, capacities: dict, batch_size: int) -> dict:
+def upstream_programs(upstream, capacities: dict, batch_size: int) -> dict:
+    """transformers' exported programs of `upstream` at `batch_size` (method name -> `ExportedProgram`): `encoder`
+    (batch 1) and `decoder` for encoder-decoder models, `forward` for decoder-only ones; torch.export only."""
     from transformers.integrations.executorch import Seq2SeqLMExportableModule, TorchExportableModuleForDecoderOnlyLM
 
     config = upstream.config
@@ -282,7 +297,9 @@ def _upstream_programs(upstream, capacities: dict, batch_size: int) -> dict:
         input_ids=torch.zeros(batch_size, 2, dtype=torch.long),
         cache_position=torch.arange(2),
         dynamic_shapes={"input_ids": {1: tokens}, "cache_position": {0: tokens}},
-        strict=False,
+        # Non-strict export (torch 2.13, transformers 5.24) lifts each StaticCache tensor twice, as a buffer and as a
+        # constant: the decompositions of lowering then fail ("expected compiled_fn to be GraphModule").
+        strict=True,
     )
     return {"forward": program}
 
@@ -346,22 +363,39 @@ def decode_ours(runner, upstream, calls: list[dict], expected: list[torch.Tensor
     return {"step_ms": 1e3 * statistics.mean(steps), "call_s": walls, "calls_equal": equal, "calls": len(calls)}
 
 
-def decode_upstream_exported(upstream, programs: dict, calls: list[dict], expected: list[torch.Tensor]) -> dict:
-    """Run the stream on transformers' exported programs (ExecuTorch), batch 1 or padded to the larger batch."""
+def load_upstream_methods(paths: dict[int, dict[str, str]]) -> dict[int, dict]:
+    """Program batch -> method name -> ExecuTorch method, from the `.pte` paths of `lower_upstream` per batch."""
     from executorch.runtime import Runtime
 
     runtime = Runtime.get()
-    loaded = {
-        batch: {name: runtime.load_program(path).load_method("forward") for name, path in paths.items()}
-        for batch, paths in programs.items()
+    return {
+        batch: {name: runtime.load_program(path).load_method("forward") for name, path in by_name.items()}
+        for batch, by_name in paths.items()
     }
+
+
+def upstream_program_batch(batch_size: int, program_batches) -> int:
+    """The batch of transformers' program that serves a call of `batch_size` rows: its own when exported at
+    batch 1, else the largest, with the rows padded (see `upstream_generate`)."""
+    if batch_size == 1 and 1 in program_batches:
+        return 1
+    if batch_size > max(program_batches):
+        raise ValueError(
+            f"batch_size={batch_size} exceeds the largest exported batch {max(program_batches)}; export "
+            f"transformers' program at batch_size={batch_size}"
+        )
+    return max(program_batches)
+
+
+def decode_upstream_exported(upstream, programs: dict, calls: list[dict], expected: list[torch.Tensor]) -> dict:
+    """Run the stream on transformers' exported programs (ExecuTorch), batch 1 or padded to the larger batch."""
+    loaded = load_upstream_methods(programs)
     steps, walls, equal = [], [], 0
     for inputs, want in zip(calls, expected, strict=True):
         batch_size = next(iter(inputs.values())).shape[0]
-        program_batch = 1 if batch_size == 1 and 1 in loaded else max(loaded)
-        methods = loaded[program_batch]
+        program_batch = upstream_program_batch(batch_size, loaded)
         with _Clock() as clock:
-            tokens, call_steps = _upstream_generate(upstream, methods, inputs, program_batch)
+            tokens, call_steps = upstream_generate(upstream, loaded[program_batch], inputs, program_batch)
         walls.append(clock.wall)
         steps.extend(call_steps[1:])
         equal += int(tokens.shape == want.shape and torch.equal(tokens, want))
@@ -375,14 +409,37 @@ def decode_upstream_exported(upstream, programs: dict, calls: list[dict], expect
     }
 
 
-def _upstream_generate(upstream, methods: dict, inputs: dict, program_batch: int):
-    """Greedy decoding with transformers' exported programs, as their `generate` helpers do, for a batch."""
+def upstream_generate(
+    upstream, methods: dict, inputs: dict, program_batch: int, *, new_tokens: int = NEW_TOKENS, logits_processor=None
+):
+    """Greedy decoding with transformers' exported programs, as their `generate` helpers do, for a batch.
+
+    Args:
+        upstream: the upstream model (its generation config gives the decoder start token).
+        methods: method name -> ExecuTorch method of one program batch (`load_upstream_methods`).
+        inputs: `input_ids` and `attention_mask` `[B, L]`, or Whisper's `input_features`; `B <= program_batch`.
+        program_batch: the batch the methods were exported at; rows `B..program_batch` are copies of row 0.
+        new_tokens: tokens to decode, exactly (no stop at EOS, as transformers' helpers).
+        logits_processor: upstream logits processors applied to each step's scores `[program_batch, V]` with the
+            tokens so far, before the argmax (e.g. `MinNewTokensLengthLogitsProcessor`).
+
+    Returns:
+        (`[B, 1 + new_tokens]` decoder tokens (start token first) or `[B, P + new_tokens]` prompt and new tokens,
+        seconds of each decoder call after the first).
+    """
     ids = _generate_ids(upstream)
     config = upstream.config
     first = next(iter(inputs.values()))
     batch_size = first.shape[0]
     pad_rows = program_batch - batch_size
     step_seconds = []
+
+    def append_next(tokens, logits):  # tokens: [B_p, T], logits: [B_p, S, V] -> [B_p, T + 1]
+        scores = logits[:, -1]
+        if logits_processor is not None:
+            scores = logits_processor(tokens, scores)
+        return torch.cat([tokens, scores.argmax(-1, keepdim=True)], dim=-1)
+
     if config.is_encoder_decoder:
         # Its encoder is exported at batch 1 and without a mask: one call per row, on the row's real tokens.
         states = []
@@ -397,22 +454,22 @@ def _upstream_generate(upstream, methods: dict, inputs: dict, program_batch: int
         states = torch.cat([torch.nn.functional.pad(s, (0, 0, 0, max_len - s.shape[1])) for s in states])
         states = torch.cat([states, states[:1].expand(pad_rows, -1, -1)]) if pad_rows else states.contiguous()
         tokens = torch.full((program_batch, 1), ids["decoder_start_token_id"], dtype=torch.long)
-        for position in range(NEW_TOKENS):
+        for position in range(new_tokens):
             started = time.perf_counter()
             step = [tokens[:, -1:].contiguous(), states, torch.tensor([position])]
             logits = methods["decoder"].execute(step)[0]
             step_seconds.append(time.perf_counter() - started)
-            tokens = torch.cat([tokens, logits[:, -1].argmax(-1, keepdim=True)], dim=-1)
+            tokens = append_next(tokens, logits)
         return tokens[:batch_size], step_seconds
     input_ids = inputs["input_ids"]
     input_ids = torch.cat([input_ids, input_ids[:1].expand(pad_rows, -1)]) if pad_rows else input_ids
     logits = methods["forward"].execute([input_ids.contiguous(), torch.arange(input_ids.shape[1])])[0]
-    tokens = torch.cat([input_ids, logits[:, -1].argmax(-1, keepdim=True)], dim=-1)
-    for _ in range(NEW_TOKENS - 1):
+    tokens = append_next(input_ids, logits)
+    for _ in range(new_tokens - 1):
         started = time.perf_counter()
         logits = methods["forward"].execute([tokens[:, -1:].contiguous(), torch.tensor([tokens.shape[1] - 1])])[0]
         step_seconds.append(time.perf_counter() - started)
-        tokens = torch.cat([tokens, logits[:, -1].argmax(-1, keepdim=True)], dim=-1)
+        tokens = append_next(tokens, logits)
     return tokens[:batch_size], step_seconds
 
 

@@ -36,7 +36,7 @@ from .request import FLEXIBLE_STATIC
 
 # Forwards of each warm-up call: the first, one decode step that compiles, one that records CUDA graphs.
 WARMUP_FORWARDS = 3
-# Inductor settings of `compile_config_for_cpu`, each measured (docs/performance.md, "Which inductor settings").
+# Inductor settings of `compile_config_for_cpu`, measured (docs/compile.md, "Compiling `generate`").
 CPU_INDUCTOR_OPTIONS = {"freezing": True}
 
 

@@ -92,8 +92,9 @@ ONE_LAYER = {
     "mistral": dataclasses.replace(MISTRAL, build_config=_one_layer(MISTRAL.build_config, "num_hidden_layers")),
 }
 # Model types whose CLI export runs in the default suite (each costs a lowering): the others are marked slow. One per
-# route: hand-written decoder-only, each encoder input, a BART copy, the generic route with a sliding window.
-DEFAULT_CLI_TYPES = ("llama", "t5", "whisper", "pix2struct", "marian", "mistral")
+# route: hand-written decoder-only, token and log-mel encoder inputs, a BART copy, the generic route with a sliding
+# window (Pix2Struct's patches and BART itself run with -m slow; their torch programs run by default).
+DEFAULT_CLI_TYPES = ("llama", "t5", "whisper", "marian", "mistral")
 
 
 def generate_kwargs(upstream) -> dict:

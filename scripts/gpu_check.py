@@ -458,28 +458,18 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for model_type in models:
         if args.check in ("compile", "all"):
-            result = check(
-                model_type,
-                device=device,
-                dtype=getattr(torch, args.dtype),
-                new_tokens=args.new_tokens,
-                tokens=args.latency_tokens,
-                repeats=args.repeats,
-                backend=args.backend,
-            )
-            print(format_table(result), flush=True)
-            results.append(result)
-            bucketed = check_bucketed(
-                model_type,
-                device=device,
-                dtype=getattr(torch, args.dtype),
-                new_tokens=args.new_tokens,
-                tokens=args.latency_tokens,
-                repeats=args.repeats,
-                backend=args.backend,
-            )
-            print(format_bucketed_table(bucketed), flush=True)
-            results.append(bucketed)
+            options = {
+                "device": device,
+                "dtype": getattr(torch, args.dtype),
+                "new_tokens": args.new_tokens,
+                "tokens": args.latency_tokens,
+                "repeats": args.repeats,
+                "backend": args.backend,
+            }
+            for run_check, format_result in ((check, format_table), (check_bucketed, format_bucketed_table)):
+                result = run_check(model_type, **options)
+                print(format_result(result), flush=True)
+                results.append(result)
         if args.check in ("placement", "all"):
             result = check_placement(model_type, new_tokens=args.new_tokens)
             print(format_placement(result), flush=True)

@@ -54,54 +54,11 @@ class RealSizedModel:
     max_batch_size: int = 8
 
 
-def _t5_small():
-    from transformers import T5Config
+def _real(model_type: str) -> Callable:
+    """The zoo's real-sized config of `model_type` (the benchmark's models: one zoo)."""
+    from ..zoo import real_config
 
-    config = T5Config(decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)  # defaults: t5-small
-    config.tie_word_embeddings = False
-    config.scale_decoder_outputs = False  # T5 v1.1's untied output layer, unscaled
-    return config
-
-
-def _bart_base():
-    from transformers import BartConfig
-
-    return BartConfig(
-        vocab_size=50265,
-        d_model=768,
-        encoder_layers=6,
-        decoder_layers=6,
-        encoder_attention_heads=12,
-        decoder_attention_heads=12,
-        encoder_ffn_dim=3072,
-        decoder_ffn_dim=3072,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-    )
-
-
-def _whisper_tiny():
-    from transformers import WhisperConfig
-
-    return WhisperConfig(tie_word_embeddings=False)  # defaults: whisper-tiny
-
-
-def _llama_100m():
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=32000,
-        hidden_size=768,
-        intermediate_size=2048,
-        num_hidden_layers=8,
-        num_attention_heads=12,
-        num_key_value_heads=4,
-        max_position_embeddings=2048,
-        initializer_range=0.05,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    return lambda: real_config(model_type)
 
 
 REAL_SIZED = {
@@ -110,21 +67,21 @@ REAL_SIZED = {
         RealSizedModel(
             "t5",
             "T5ForConditionalGeneration",
-            _t5_small,
+            _real("t5"),
             {"max_batch_size": 8, "max_cache_len": NEW_TOKENS, "max_encoder_len": 160},
             "t5-small (6+6 layers, d_model 512, 8 heads, d_ff 2048, vocab 32128), untied",
         ),
         RealSizedModel(
             "bart",
             "BartForConditionalGeneration",
-            _bart_base,
+            _real("bart"),
             {"max_batch_size": 8, "max_cache_len": NEW_TOKENS, "max_encoder_len": 160},
             "bart-base (6+6 layers, d_model 768, 12 heads, ffn 3072, vocab 50265), untied",
         ),
         RealSizedModel(
             "whisper",
             "WhisperForConditionalGeneration",
-            _whisper_tiny,
+            _real("whisper"),
             {"max_batch_size": 2, "max_cache_len": NEW_TOKENS, "max_encoder_len": 1500},
             "whisper-tiny (4+4 layers, d_model 384, 6 heads, 1500 encoder positions), untied",
             max_batch_size=2,
@@ -132,7 +89,7 @@ REAL_SIZED = {
         RealSizedModel(
             "llama",
             "LlamaForCausalLM",
-            _llama_100m,
+            _real("llama"),
             {"max_batch_size": 8, "max_cache_len": 48 + NEW_TOKENS},
             "~100M Llama (8 layers, hidden 768, 12 heads / 4 kv heads, MLP 2048, vocab 32000)",
         ),

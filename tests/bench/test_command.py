@@ -15,6 +15,7 @@ from transformers_flexcache.__main__ import main
 from transformers_flexcache.bench.command import BASELINE, STRATEGIES, strategies_for
 from transformers_flexcache.bench.measure import FIGURES, CacheStorageTracker
 from transformers_flexcache.bench.models import DEFAULT_MODELS
+from transformers_flexcache.bench.report import format_model
 from transformers_flexcache.cache import FlexibleStaticCache
 
 # Figures that only torch strategies report (CTranslate2 exposes no cache allocations or compiled graphs).
@@ -94,6 +95,29 @@ def test_quick_bench_tables_fit_in_100_columns(quick_run):
     _, _, printed = quick_run
     lines = printed.splitlines()[3:]  # after the header, whose CPU name is the machine's
     assert max(len(line) for line in lines) <= 100
+
+
+def test_long_notes_and_failures_wrap_at_100_columns_and_keep_every_word(quick_run):
+    _, report, _ = quick_run
+    model = dict(report["models"]["t5"])
+    words = [f"word{i}" for i in range(60)]
+    model["notes"] = [" ".join(words)]
+    model["failures"] = [" ".join(reversed(words))]
+    bandwidth = report["machine"]["read_bandwidth_bytes_per_s"]
+    lines = format_model("t5", model, bandwidth=bandwidth).splitlines()
+    assert any(line.startswith("  floor: ") for line in lines)
+    assert max(len(line) for line in lines) <= 100
+    notes = [line for line in lines if line.startswith("  note: ") or line.startswith("        word")]
+    assert " ".join(notes).split()[1:] == words
+
+
+def test_quick_bench_has_a_ctranslate2_row_for_the_models_it_converts(quick_run):
+    # .ci/run installs the [ctranslate2] extra: without it this test fails rather than the row going missing
+    _, report, printed = quick_run
+    for name in ("t5", "marian"):
+        row = report["models"][name]["strategies"]["ctranslate2"]
+        assert row["outputs_equal"] is True, name
+    assert "ctranslate2 is not installed" not in printed
 
 
 def test_quick_bench_reports_a_measured_bandwidth_floor_for_every_model(quick_run):

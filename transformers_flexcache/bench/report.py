@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import platform
+import textwrap
 
 import torch
 import transformers
@@ -278,7 +279,7 @@ def _stream_line(model: dict) -> str:
 
 def _floor_line(model: dict, bandwidth: float | None) -> str | None:
     counted = model.get("decode_step_bytes") or {}
-    if not counted or model.get("floor_step_ms") is None:
+    if not counted or model.get("floor_step_ms") is None or not bandwidth:
         return None
     batch = max(call["batch_size"] for call in model["stream"])
     return (
@@ -339,9 +340,25 @@ def format_model(name: str, model: dict, *, bandwidth: float | None = None) -> s
         verdict = _verdict(model)
         if verdict:
             lines.append("  " + verdict)
-    lines += [f"  note: {note}" for note in model["notes"]]
-    lines += [f"  FAILED: {failure}" for failure in model["failures"]]
+    lines += _wrapped("note: ", model["notes"])
+    lines += _wrapped("FAILED: ", model["failures"])
     return "\n".join(lines)
+
+
+def _wrapped(label: str, paragraphs: list[str], width: int = 100) -> list[str]:
+    """Each paragraph as indented lines of at most `width` columns (a path or a word longer than that is kept
+    whole)."""
+    lines = []
+    for paragraph in paragraphs:
+        lines += textwrap.wrap(
+            paragraph,
+            width,
+            initial_indent="  " + label,
+            subsequent_indent="  " + " " * len(label),
+            break_long_words=False,
+            break_on_hyphens=False,
+        )
+    return lines
 
 
 def format_footer(report: dict) -> str:
@@ -387,7 +404,7 @@ def format_footer(report: dict) -> str:
             for a in report["agreement_only"]
         ]
     if report["failures"]:
-        lines.append("FAILED: " + "; ".join(report["failures"]))
+        lines += [line[2:] for line in _wrapped("FAILED: ", ["; ".join(report["failures"])])]
     return "\n".join(lines)
 
 

@@ -94,6 +94,59 @@ def test_cli_refuses_bad_arguments_with_value_limit_and_fix_before_loading_anyth
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    ("methods", "message"),
+    [
+        ("prefill", r"prefill and decode generate together .* pass both, or forward alone"),
+        ("forward,encoder", r"llama programs have the methods prefill,decode,forward"),
+        (",", r"llama programs have the methods"),
+    ],
+)
+def test_cli_refuses_methods_that_cannot_generate_before_loading_anything(saved_llama, tmp_path, methods, message):
+    out = tmp_path / "model.pte"
+    status, stdout, stderr = run_command(
+        "export", str(saved_llama), "--out", str(out), *CAPACITY, "--methods", methods
+    )
+    assert status == 2 and stdout == ""
+    assert re.search(message, stderr), stderr
+    assert not out.exists()
+
+
+def test_cli_refuses_a_part_of_an_encoder_decoder_program(tmp_path):
+    upstream, _ = ONE_LAYER["t5"].build()
+    upstream.save_pretrained(tmp_path / "t5")
+    status, _, stderr = run_command(
+        "export",
+        str(tmp_path / "t5"),
+        "--out",
+        str(tmp_path / "m.pte"),
+        *CAPACITY,
+        "--max-encoder-len",
+        "10",
+        "--methods",
+        "encoder",
+    )
+    assert status == 2 and "needs both encoder,text_decoder to generate; drop --methods" in stderr, stderr
+
+
+def test_cli_lowers_only_the_llm_runners_forward_when_asked(saved_llama, tmp_path):
+    from executorch.runtime import Runtime
+
+    out = tmp_path / "forward.pte"
+    status, stdout, stderr = run_command(
+        "export", str(saved_llama), "--out", str(out), *CAPACITY, "--backend", "portable", "--methods", "forward"
+    )
+    assert status == 0, stderr
+    assert "methods: forward (+ metadata:" in stdout
+    assert "planned memory of forward:" in stdout and "planned memory of decode" not in stdout
+    names = set(Runtime.get().load_program(str(out)).method_names)
+    assert "forward" in names and not {"prefill", "decode"} & names
+    runner = ExecuTorchPrograms(out)
+    ids = torch.tensor([[5, 6, 7]])
+    with pytest.raises(ValueError, match="was lowered without prefill"):
+        runner.prefill(ids, torch.ones(1, 8, dtype=torch.long), torch.arange(3)[None], torch.arange(3))
+
+
 def test_cli_refuses_a_folder_without_a_checkpoint(tmp_path):
     status, _, stderr = run_command("export", str(tmp_path), "--out", str(tmp_path / "m.pte"), *CAPACITY)
     assert status == 2 and "has no config.json: MODEL_DIR must be a folder written by save_pretrained" in stderr

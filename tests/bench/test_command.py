@@ -93,7 +93,7 @@ def test_storage_tracker_counts_each_new_dynamic_cache_storage_and_never_a_reuse
 
 def test_quick_bench_tables_fit_in_100_columns(quick_run):
     _, _, printed = quick_run
-    lines = printed.splitlines()[3:]  # after the header, whose CPU name is the machine's
+    lines = printed.split("\n\n", 1)[1].splitlines()  # after the header: the machine's CPU name and cache folder
     assert max(len(line) for line in lines) <= 100
 
 
@@ -160,3 +160,22 @@ def test_bench_runs_a_local_checkpoint_folder_under_the_eager_strategies(tmp_pat
     assert report["models"]["llama"]["description"] == str(tmp_path / "llama")
     assert {BASELINE, "static", "flexible_static-exact"} <= set(report["models"]["llama"]["strategies"])
     assert report["outputs_equal"] is True
+
+
+def test_header_says_which_inductor_cache_the_run_uses_and_how_full_it_was(tmp_path, monkeypatch):
+    from transformers_flexcache.bench.command import inductor_cache_state
+    from transformers_flexcache.bench.report import _inductor_cache_line
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    (tmp_path / "fxgraph").mkdir()
+    (tmp_path / "fxgraph" / "a").write_text("x")
+    (tmp_path / "b").write_text("x")
+    state = inductor_cache_state(fresh=False)
+    assert state == {"dir": str(tmp_path), "new": False, "files_at_start": 2}
+    assert _inductor_cache_line(state) == f"\ninductor cache: {tmp_path} (2 files at the start)"
+    empty = tmp_path / "empty"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(empty))
+    assert "empty at the start: compile times of a first start" in _inductor_cache_line(
+        inductor_cache_state(fresh=False)
+    )
+    assert "new and empty" in _inductor_cache_line(inductor_cache_state(fresh=True))

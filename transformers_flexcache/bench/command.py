@@ -6,11 +6,13 @@ Design decisions:
   the same number of steps and the outputs can be compared token for token.
 - Strategies are rows of `STRATEGIES`: a cache implementation, extra `cache_config` keys and whether generate
   compiles; adding a mode is one entry. Compiled strategies use `compile_config_for_cpu()` on CPU; upstream's static
-  cache with upstream's automatic dynamic shapes and without freezing (with `dynamic=False` it would compile one
-  graph per batch and length of the stream, past dynamo's recompile limit, and frozen weights do not survive dynamic
-  shapes). They run by default for T5 and Llama only (`default_models`): compiling on CPU takes tens of seconds per
-  graph. Each strategy reports the graphs it compiled and the time it
-  spent compiling, apart from its warm time.
+  cache with dynamic shapes and without freezing (with `dynamic=False` it would compile one graph per batch and
+  length of the stream, past dynamo's recompile limit, and frozen weights do not survive dynamic shapes). They run
+  by default for T5 and Llama only (`default_models`): compiling on CPU takes tens of seconds per graph. Each
+  strategy reports the graphs it compiled and the time it spent compiling, apart from its warm time.
+- Inductor's on-disk cache is torch's own by default (`--inductor-cache`), so a second run on a machine reuses the
+  kernels of the first, as a restarted server would; the header says how many files it held at the start, and
+  `--inductor-cache new` measures a first start.
 - The bucketed strategy compiles every bucket before the stream (`warmup()`), as a server would. Its buckets are
   two per shape (`bench_buckets`): half the capacity and the capacity for rows and for prompt or encoder lengths,
   and, for decoder-only models, the decoder lengths those prompts reach: 4 graphs per model, a compile cost the
@@ -154,13 +156,15 @@ STRATEGIES = (
     Strategy("flexible_static-padded", cache_implementation=FLEXIBLE_STATIC, cache_config=PADDED, default=False),
     Strategy("flexible_static-bucketed", cache_implementation=FLEXIBLE_STATIC, cache_config=BUCKETED, default=False),
     # Upstream's static cache has a new shape at every call of the stream: with dynamic=False it would compile a graph
-    # per call, past dynamo's limit; with automatic dynamic shapes (upstream's default) freezing fails (a batch of 2
-    # reached a linear packed for 3: "expected size 2==3"), so it compiles without.
+    # per call, past dynamo's limit. Dynamic shapes from the first call (dynamic=True): 2 graphs (batch 1, which
+    # dynamo specializes, and the others); automatic dynamic shapes (dynamic=None) compiled 4 on the t5-small stream,
+    # 136 s against 111 s. Freezing fails under dynamic shapes (a batch of 2 reached a linear packed for 3: "expected
+    # size 2==3"), so it compiles without.
     Strategy(
         "static-compiled",
         cache_implementation="static",
         compile=True,
-        dynamic=None,
+        dynamic=True,
         freezing=False,
         default_models=COMPILED_MODELS,
     ),
@@ -611,7 +615,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "not required. Exporting and lowering take minutes per real-sized model and are reported apart from the "
         "warm time",
     )
-    parser.add_argument("--calls", type=int, default=None, help="generate calls per model (default 20; --quick: 6)")
+    parser.add_argument("--calls", type=int, default=None, help="generate calls per model (default 12; --quick: 6)")
     parser.add_argument(
         "--max-batch-size",
         type=int,
@@ -642,9 +646,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--inductor-cache",
-        metavar="DIR",
-        help="inductor's on-disk cache (compiled kernels and graphs) to use and keep; default: a new empty one for "
-        "the run, removed after it, so that compile times are those of a first start",
+        metavar="DIR|new",
+        help="inductor's on-disk cache of compiled kernels and graphs: a folder to use and keep, or `new` for an "
+        "empty one, removed after the run, so that compile times are those of a first start; default: torch's own "
+        "(TORCHINDUCTOR_CACHE_DIR, else a folder under the temp dir), as a server restarted on the machine would "
+        "find it. The header says how many files it held at the start",
     )
     parser.add_argument("--no-ctranslate2", action="store_true", help="skip the CTranslate2 row for T5 and Marian")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -652,8 +658,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of time and cache memory per call (matplotlib)")
 
 
+INDUCTOR_CACHE_NEW = "new"
+
+
+def inductor_cache_state(*, fresh: bool) -> dict:
+    """Where inductor's on-disk cache is (TORCHINDUCTOR_CACHE_DIR as set for the run) and how many files it held at
+    the start: compile times with a filled cache are a restart's, with an empty one a first start's."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    folder = cache_dir()
+    files = sum(len(names) for _, _, names in os.walk(folder)) if os.path.isdir(folder) else 0
+    return {"dir": folder, "new": fresh, "files_at_start": files}
+
+
 QUICK_DEFAULTS = {"calls": 6, "max_batch_size": 4, "min_length": 4, "max_length": 16, "new_tokens": 8}
-FULL_DEFAULTS = {"calls": 20, "max_batch_size": 8, "min_length": 8, "max_length": 48, "new_tokens": 12}
+FULL_DEFAULTS = {"calls": 12, "max_batch_size": 8, "min_length": 8, "max_length": 48, "new_tokens": 12}
 
 
 def _resolve(args, parser: argparse.ArgumentParser) -> tuple[list[BenchModel], list[Strategy]]:
@@ -743,14 +762,16 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     torch.set_num_threads(args.threads)
     log = print
     selected = list(strategies)
-    cache_dir = args.inductor_cache or tempfile.mkdtemp(prefix="flexcache-bench-inductor-")
+    fresh_cache = args.inductor_cache == INDUCTOR_CACHE_NEW
+    cache_dir = tempfile.mkdtemp(prefix="flexcache-bench-inductor-") if fresh_cache else args.inductor_cache
     cache_dir_before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    if cache_dir is not None:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
 
     args.bandwidth = read_bandwidth(device=args.device)
     machine = machine_info(args.threads)
     machine["read_bandwidth_bytes_per_s"] = args.bandwidth
-    machine["inductor_cache"] = args.inductor_cache or "new for the run"
+    machine["inductor_cache"] = inductor_cache_state(fresh=fresh_cache)
     print(format_header(machine, args))
     results = []
     started = time.perf_counter()
@@ -774,7 +795,7 @@ def run(args, parser: argparse.ArgumentParser) -> int:
             os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
         else:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir_before
-        if args.inductor_cache is None:
+        if fresh_cache:
             shutil.rmtree(cache_dir, ignore_errors=True)
     report["complete"] = True
     print(format_footer(report))

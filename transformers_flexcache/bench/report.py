@@ -315,7 +315,18 @@ def format_header(machine: dict, args) -> str:
         f"{args.device}, {args.dtype}\n"
         f"torch {machine['torch']}, transformers {machine['transformers']}; load average {_load(machine)}"
         + (f"; read bandwidth {bandwidth / 1e9:.1f} GB/s" if bandwidth else "")
+        + _inductor_cache_line(machine.get("inductor_cache"))
     )
+
+
+def _inductor_cache_line(cache: dict | None) -> str:
+    if not cache:
+        return ""
+    if cache["new"]:
+        return "\ninductor cache: new and empty (compile times of a first start)"
+    held = cache["files_at_start"]
+    state = "empty at the start: compile times of a first start" if not held else f"{held} files at the start"
+    return f"\ninductor cache: {cache['dir']} ({state})"
 
 
 def _load(machine: dict) -> str:

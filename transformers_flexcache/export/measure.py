@@ -438,8 +438,10 @@ def measure_model(
     decode: bool = True,
     folder: str | None = None,
     num_calls: int = 6,
+    decoder_only_methods: tuple[str, ...] | None = None,
 ) -> dict:
-    """Every figure for one real-sized model (see the module docstring); JSON-serializable."""
+    """Every figure for one real-sized model (see the module docstring); JSON-serializable. `decoder_only_methods`:
+    the methods lowered for a decoder-only model (default all; the stream needs prefill and decode)."""
     from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
 
     from .runners import ExecuTorchPrograms
@@ -453,7 +455,9 @@ def measure_model(
     result = {"model": name, "description": model.description, "capacities": model.capacities, "ours": {}}
     for mode in quantize_modes:
         path = os.path.join(folder, f"ours-{mode}.pte")
-        result["ours"][mode] = lower_ours(flex, model.capacities, path, quantize=mode)
+        methods = None if upstream.config.is_encoder_decoder else decoder_only_methods
+        result["ours"][mode] = lower_ours(flex, model.capacities, path, quantize=mode, methods=methods)
+        result["ours"][mode]["methods"] = list(methods or [])
         result["ours"][mode]["path"] = path
     if upstream_exporter:
         batches = sorted({1, model.max_batch_size})
@@ -502,7 +506,8 @@ def _table(results: list[dict]) -> str:
             ratio = f"{step / eager:.2f}" if step and eager else ""
             planned = sum(o["planned_bytes"].values()) / 2**20
             lines.append(
-                f"| {r['model']} | ours, XNNPACK {'fp32' if mode == 'none' else mode} | {o['export_s']:.0f} | "
+                f"| {r['model']} | ours, XNNPACK {'fp32' if mode == 'none' else mode}"
+                f"{' (' + ', '.join(o['methods']) + ')' if o.get('methods') else ''} | {o['export_s']:.0f} | "
                 f"{o['lower_s']:.0f} ({o['lower_cpu_s']:.0f}) | {o['pte_bytes'] / 2**20:.0f} | {planned:.0f} | "
                 f"{f'{step:.1f}' if step else ''} | {ratio} | {d.get('calls_equal', '')}/{d.get('calls', '')} |"
             )
@@ -527,6 +532,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-upstream", action="store_true", help="skip transformers' exporter")
     parser.add_argument("--no-decode", action="store_true", help="lowering figures only")
     parser.add_argument("--calls", type=int, default=6, help="calls in the stream")
+    parser.add_argument(
+        "--decoder-only-methods",
+        nargs="+",
+        choices=("prefill", "decode", "forward"),
+        help="lower only these methods of decoder-only models (e.g. forward, as transformers' exporter); the "
+        "stream needs prefill and decode (else pass --no-decode)",
+    )
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--folder", help="keep the .pte files here (default: a temporary folder)")
     args = parser.parse_args(argv)
@@ -540,6 +552,7 @@ def main(argv: list[str] | None = None) -> int:
                 decode=not args.no_decode,
                 folder=args.folder and os.path.join(args.folder, name),
                 num_calls=args.calls,
+                decoder_only_methods=tuple(args.decoder_only_methods) if args.decoder_only_methods else None,
             )
         )
         if args.json:

@@ -19,7 +19,15 @@ from transformers_flexcache.bench.report import format_model
 from transformers_flexcache.cache import FlexibleStaticCache
 
 # Figures that only torch strategies report (CTranslate2 exposes no cache allocations or compiled graphs).
-TORCH_ONLY = {"cache_allocations", "cache_bytes_allocated", "peak_cache_bytes", "compiled_graphs", "compile_s"}
+TORCH_ONLY = {
+    "cache_allocations",
+    "cache_bytes_allocated",
+    "peak_cache_bytes",
+    "compiled_graphs",
+    "compile_s",
+    "forward_ms",
+    "largest_batch_forward_ms",
+}
 
 
 @pytest.fixture(scope="module")
@@ -179,3 +187,49 @@ def test_header_says_which_inductor_cache_the_run_uses_and_how_full_it_was(tmp_p
         inductor_cache_state(fresh=False)
     )
     assert "new and empty" in _inductor_cache_line(inductor_cache_state(fresh=True))
+
+
+@pytest.mark.parametrize("model_name", DEFAULT_MODELS)
+def test_quick_bench_times_the_forward_inside_each_decode_step(quick_run, model_name):
+    _, report, _ = quick_run
+    for name, figures in report["models"][model_name]["strategies"].items():
+        if name == "ctranslate2":
+            continue
+        assert 0 < figures["forward_ms"] < figures["step_latency_ms"], name
+        assert 0 < figures["largest_batch_forward_ms"] < figures["largest_batch_step_ms"], name
+        assert figures["largest_batch_forward_vs_floor"] == pytest.approx(
+            figures["largest_batch_forward_ms"] / report["models"][model_name]["floor_step_ms"]
+        )
+
+
+class _CompiledModel:
+    """What ForwardTimer needs of a model under compile_config: `get_compiled_call`."""
+
+    def get_compiled_call(self, config):
+        return lambda **inputs: inputs["x"] + config
+
+
+def test_forward_timer_wraps_the_compiled_call_for_one_generate_and_keeps_only_decode_forwards():
+    from transformers_flexcache.bench.measure import ForwardTimer
+
+    model = _CompiledModel()
+    with ForwardTimer(model, compiled=True) as timer:
+        call = model.get_compiled_call(1)
+        assert [call(x=2), call(x=3), call(x=4)] == [3, 4, 5]
+    assert "get_compiled_call" not in model.__dict__  # the class's method again
+    assert len(timer.seconds) == 3 and all(s >= 0 for s in timer.seconds)
+    timer.seconds = [5.0, 1.0, 2.0, 3.0]
+    assert timer.decode_forwards(4) == [1.0, 2.0, 3.0]  # the prefill ran through the timed callable
+    assert timer.decode_forwards(5) == [5.0, 1.0, 2.0, 3.0]  # it did not: every timed forward was a decode step
+    assert timer.decode_forwards(4, hook_s=[0.5, 0.5, 0.5, 0.5]) == [0.5, 1.5, 2.5]
+
+
+def test_forward_timer_on_an_eager_model_wraps_its_call_and_restores_it():
+    from transformers_flexcache.bench.measure import ForwardTimer
+
+    model = torch.nn.Linear(2, 2)
+    with ForwardTimer(model, compiled=False) as timer:
+        model.__call__(torch.zeros(1, 2))
+        model.__call__(torch.zeros(1, 2))
+    assert "__call__" not in model.__dict__
+    assert len(timer.seconds) == 2

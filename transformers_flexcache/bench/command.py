@@ -58,6 +58,7 @@ from .measure import (
     CacheStorageTracker,
     CallRecord,
     DecodeStepBytes,
+    ForwardTimer,
     PeakRss,
     StepTimer,
     compile_seconds,
@@ -239,12 +240,13 @@ class TorchRunner:
             else self.model.register_forward_hook(self.tracker.forward_hook, with_kwargs=True)
         )
         graphs_before, compile_before = compiled_graph_count(), compile_seconds()
+        forwards = ForwardTimer(self.model, compiled=self.strategy.compile)
         try:
             rss.start()
             start = time.perf_counter()
             # Upstream's generate (the static strategies) does not apply freezing from compile_config.options by
             # itself (see compile_settings); ours does. Applied here to every strategy, so that all compile alike.
-            with compile_settings(self.generate_kwargs.get("compile_config")):
+            with compile_settings(self.generate_kwargs.get("compile_config")), forwards:
                 out = self.model.generate(
                     **inputs,
                     max_new_tokens=new_tokens,
@@ -273,6 +275,7 @@ class TorchRunner:
             tokens=tokens,
             first_token_s=first_token_s,
             step_s=timer.step_s(hook_s),
+            forward_s=forwards.decode_forwards(len(timer.stamps), hook_s),
             cache_allocations=self.tracker.allocations,
             cache_bytes_allocated=self.tracker.bytes_allocated,
             peak_cache_bytes=self.tracker.peak_bytes,
@@ -395,8 +398,11 @@ class ModelResult:
         baseline = figures.get(BASELINE)
         for name, values in figures.items():
             values["vs_dynamic"] = ratios(values, baseline) if baseline else None
-            step = values["largest_batch_step_ms"]
-            values["largest_batch_step_vs_floor"] = step / self.floor_step_ms if step and self.floor_step_ms else None
+            for figure in ("step", "forward"):
+                value = values[f"largest_batch_{figure}_ms"]
+                values[f"largest_batch_{figure}_vs_floor"] = (
+                    value / self.floor_step_ms if value and self.floor_step_ms else None
+                )
             values["outputs_equal"] = not self.mismatches.get(name)
             values["exact"] = name not in self.agreement_only
             agreement = self.call_agreement(name) if baseline else []

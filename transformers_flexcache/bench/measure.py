@@ -55,6 +55,7 @@ class CallRecord:
     tokens: torch.Tensor  # [B, N] the new tokens
     first_token_s: float | None = None
     step_s: list[float] = field(default_factory=list)  # gaps between decode steps
+    forward_s: list[float] = field(default_factory=list)  # the model's forward alone, on each decode step
     cache_allocations: int | None = None
     cache_bytes_allocated: int | None = None
     peak_cache_bytes: int | None = None
@@ -75,12 +76,56 @@ class CallRecord:
             "tokens_per_s": self.num_tokens / self.wall_s,
             "first_token_ms": None if self.first_token_s is None else 1e3 * self.first_token_s,
             "step_latency_ms": 1e3 * statistics.median(self.step_s) if self.step_s else None,
+            "forward_ms": 1e3 * statistics.median(self.forward_s) if self.forward_s else None,
             "cache_allocations": self.cache_allocations,
             "cache_bytes_allocated": self.cache_bytes_allocated,
             "peak_cache_bytes": self.peak_cache_bytes,
             "peak_rss_growth_bytes": self.peak_rss_growth_bytes,
             "compiled_graphs": self.compiled_graphs,
         }
+
+
+class ForwardTimer:
+    """Times the model's forward alone on each decode step of a generate call, without a hook inside it: a wrapper
+    around the callable that upstream's `generate` runs each step (`model.__call__`, or under `compile_config` what
+    `model.get_compiled_call` returns), set on the instance for the duration of the call.
+
+    A compiled call is timed through `get_compiled_call` only: wrapping `__call__` there would be traced into the
+    graph it compiles. Each forward's time in the tracker's forward hook (`hook_s`, eager runs) is taken out.
+    """
+
+    def __init__(self, model, *, compiled: bool):
+        self.model = model
+        self.compiled = compiled
+        self.seconds: list[float] = []
+
+    def _timed(self, call):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            output = call(*args, **kwargs)
+            self.seconds.append(time.perf_counter() - start)
+            return output
+
+        return timed
+
+    def __enter__(self):
+        if self.compiled:
+            get_compiled_call = self.model.get_compiled_call
+            self.model.get_compiled_call = lambda config: self._timed(get_compiled_call(config))
+        else:
+            self.model.__call__ = self._timed(self.model.__call__)
+        return self
+
+    def __exit__(self, *exc):
+        self.model.__dict__.pop("get_compiled_call" if self.compiled else "__call__", None)
+
+    def decode_forwards(self, num_forwards: int, hook_s: list[float] | None = None) -> list[float]:
+        """The decode steps' forwards of a call that ran `num_forwards` forwards: all but the first (the prefill),
+        which a compiled call runs outside the compiled callable (then not timed here)."""
+        seconds = self.seconds
+        if hook_s and len(hook_s) == len(seconds):
+            seconds = [forward - hook for forward, hook in zip(seconds, hook_s, strict=True)]
+        return seconds[1:] if len(seconds) == num_forwards else seconds[-(num_forwards - 1) :]
 
 
 class StepTimer(LogitsProcessor):
@@ -295,6 +340,8 @@ def summarize(records: list[CallRecord], *, warm_up: CallRecord | None = None) -
     firsts = [r.first_token_s for r in records if r.first_token_s is not None]
     largest = max((r.batch_size or 0 for r in records), default=0)
     largest_steps = [s for r in records if r.batch_size == largest for s in r.step_s]
+    forwards = [s for r in records for s in r.forward_s]
+    largest_forwards = [s for r in records if r.batch_size == largest for s in r.forward_s]
 
     def total(name):
         values = [getattr(r, name) for r in counted]
@@ -314,6 +361,8 @@ def summarize(records: list[CallRecord], *, warm_up: CallRecord | None = None) -
         "first_token_ms": 1e3 * statistics.median(firsts) if firsts else None,
         "step_latency_ms": 1e3 * statistics.median(steps) if steps else None,
         "largest_batch_step_ms": 1e3 * statistics.median(largest_steps) if largest_steps else None,
+        "forward_ms": 1e3 * statistics.median(forwards) if forwards else None,
+        "largest_batch_forward_ms": 1e3 * statistics.median(largest_forwards) if largest_forwards else None,
         "cache_allocations": total("cache_allocations"),
         "cache_bytes_allocated": total("cache_bytes_allocated"),
         "peak_cache_bytes": peak("peak_cache_bytes"),
@@ -330,6 +379,8 @@ FIGURES = (
     "first_token_ms",
     "step_latency_ms",
     "largest_batch_step_ms",
+    "forward_ms",
+    "largest_batch_forward_ms",
     "cache_allocations",
     "cache_bytes_allocated",
     "peak_cache_bytes",

@@ -224,6 +224,31 @@ def _step_table(model: dict) -> list[str]:
     return _render("decode step (median)", headers, rows)
 
 
+def _forward_table(model: dict) -> list[str]:
+    """The model's forward alone on decode steps: the step less generate's own work (logits processors, stopping
+    criteria, picking the token)."""
+    batch = max((call["batch_size"] for call in model["stream"]), default=0)
+    big = f"B={batch}"
+    headers = ["fwd ms", "fwd/dyn", f"{big} fwd ms", f"{big}/dyn", f"{big}/floor", "fwd/step"]
+    rows = []
+    for name, f in model["strategies"].items():
+        vs = f["vs_dynamic"] or {}
+        rows.append(
+            [
+                name,
+                _cell(f["forward_ms"], "{:.1f}"),
+                _ratio(vs.get("forward_ms")),
+                _cell(f["largest_batch_forward_ms"], "{:.1f}"),
+                _ratio(vs.get("largest_batch_forward_ms")),
+                _ratio(f["largest_batch_forward_vs_floor"]),
+                _percent(_divide(f["largest_batch_forward_ms"], f["largest_batch_step_ms"])),
+            ]
+        )
+    if all(row[1] == "-" for row in rows):
+        return []
+    return _render("model forward (median, decode steps)", headers, rows)
+
+
 def _memory_table(model: dict) -> list[str]:
     headers = ["allocs", "alloc MB", "MB/dyn", "peak cache MB", "peak RSS+ MB"]
     rows = []
@@ -346,7 +371,7 @@ def format_model(name: str, model: dict, *, bandwidth: float | None = None) -> s
         if floor:
             lines.append("  " + floor)
     if model["strategies"]:
-        for table in (_time_table, _step_table, _memory_table, _executorch_table):
+        for table in (_time_table, _step_table, _forward_table, _memory_table, _executorch_table):
             lines += ["  " + line for line in table(model)]
         verdict = _verdict(model)
         if verdict:
@@ -379,6 +404,7 @@ def format_footer(report: dict) -> str:
         "compile s: time spent compiling (warm-up and stream); wall s: the stream's wall time minus that;",
         "X/dyn: ratio to DynamicCache's (lower is better); tok/s: new tokens / wall s; step ms: median step;",
         "B=n: calls at the largest batch; /ct2: ratio to CTranslate2's; /floor: to the bandwidth floor;",
+        "fwd: the model's forward alone (the step less generate's logits processing and token choice);",
         "allocs: cache storages allocated, warm-up included; peak RSS+: rough RSS growth in a call (docs).",
     ]
     if any(figures.get("lowering") for model in report["models"].values() for figures in model["strategies"].values()):

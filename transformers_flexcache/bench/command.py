@@ -157,7 +157,7 @@ STRATEGIES = (
     Strategy("flexible_static-padded", cache_implementation=FLEXIBLE_STATIC, cache_config=PADDED, default=False),
     Strategy("flexible_static-bucketed", cache_implementation=FLEXIBLE_STATIC, cache_config=BUCKETED, default=False),
     # Upstream's static cache has a new shape at every call of the stream: with dynamic=False it would compile a graph
-    # per call, past dynamo's limit. Dynamic shapes from the first call (dynamic=True): 2 graphs (batch 1, which
+    # per call, past dynamo's limit. Dynamic shapes from the first call (dynamic=True): 2-3 graphs (batch 1, which
     # dynamo specializes, and the others); automatic dynamic shapes (dynamic=None) compiled 4 on the t5-small stream,
     # 136 s against 111 s. Freezing fails under dynamic shapes (a batch of 2 reached a linear packed for 3: "expected
     # size 2==3"), so it compiles without.

@@ -91,10 +91,9 @@ ONE_LAYER = {
     **{case.name: case for case in (QWEN2, QWEN3, PHI3, GPT2, GEMMA3_TEXT)},
     "mistral": dataclasses.replace(MISTRAL, build_config=_one_layer(MISTRAL.build_config, "num_hidden_layers")),
 }
-# Model types whose CLI export runs in the default suite (each costs a lowering): the others are marked slow. One per
-# route: hand-written decoder-only, token and log-mel encoder inputs, a BART copy, the generic route with a sliding
-# window (Pix2Struct's patches and BART itself run with -m slow; their torch programs run by default).
-DEFAULT_CLI_TYPES = ("llama", "t5", "whisper", "marian", "mistral")
+# Decoder-only types whose CLI test lowers only the batched methods (`--methods prefill,decode`): the runtime test
+# runs those; `forward` is ExecuTorch's LLM runner's, tested on Llama (tests/export/test_llm_runner.py).
+BATCHED_ONLY_CLI_TYPES = ("mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "gpt2")
 
 
 def generate_kwargs(upstream) -> dict:

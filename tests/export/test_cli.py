@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.export.conftest import CAPACITY, LLAMA_MAX_CACHE_LEN, needs_executorch, run_command
-from tests.export.helpers import DEFAULT_CLI_TYPES, ONE_LAYER, assert_matches_eager_for_every_shape
+from tests.export.helpers import ONE_LAYER, assert_matches_eager_for_every_shape
 from tests.model_cases import JAMBA, WHISPER_MAX_SOURCE_POSITIONS
 from transformers_flexcache.export import ExecuTorchPrograms, export_model
 from transformers_flexcache.export.lowering import NOT_LOWERABLE, lower_to_executorch
@@ -29,14 +29,7 @@ SHAPES = {
 SHAPES["whisper"] = [(3, WHISPER_MAX_SOURCE_POSITIONS), (1, WHISPER_MAX_SOURCE_POSITIONS)]
 
 
-@pytest.mark.parametrize(
-    "model_type",
-    [
-        name if name in DEFAULT_CLI_TYPES else pytest.param(name, marks=pytest.mark.slow)
-        for name in ONE_LAYER
-        if name not in NOT_LOWERABLE
-    ],
-)
+@pytest.mark.parametrize("model_type", [name for name in ONE_LAYER if name not in NOT_LOWERABLE])
 def test_cli_export_of_each_model_type_generates_eager_tokens_in_executorch(cli_exports, model_type):
     upstream, path, _ = cli_exports[model_type]
     runner = ExecuTorchPrograms(path)
@@ -129,22 +122,20 @@ def test_cli_refuses_a_part_of_an_encoder_decoder_program(tmp_path):
     assert status == 2 and "needs both encoder,text_decoder to generate; drop --methods" in stderr, stderr
 
 
-def test_cli_lowers_only_the_llm_runners_forward_when_asked(saved_llama, tmp_path):
+def test_cli_lowers_only_the_llm_runners_forward_when_asked(forward_only_pte):
     from executorch.runtime import Runtime
 
-    out = tmp_path / "forward.pte"
-    status, stdout, stderr = run_command(
-        "export", str(saved_llama), "--out", str(out), *CAPACITY, "--backend", "portable", "--methods", "forward"
-    )
-    assert status == 0, stderr
+    _, out, stdout = forward_only_pte
     assert "methods: forward (+ metadata:" in stdout
     assert "planned memory of forward:" in stdout and "planned memory of decode" not in stdout
-    names = set(Runtime.get().load_program(str(out)).method_names)
+    names = set(Runtime.get().load_program(out).method_names)
     assert "forward" in names and not {"prefill", "decode"} & names
     runner = ExecuTorchPrograms(out)
     ids = torch.tensor([[5, 6, 7]])
     with pytest.raises(ValueError, match="was lowered without prefill"):
-        runner.prefill(ids, torch.ones(1, 8, dtype=torch.long), torch.arange(3)[None], torch.arange(3))
+        runner.prefill(
+            ids, torch.ones(1, LLAMA_MAX_CACHE_LEN, dtype=torch.long), torch.arange(3)[None], torch.arange(3)
+        )
 
 
 def test_cli_refuses_a_folder_without_a_checkpoint(tmp_path):

@@ -8,13 +8,12 @@ decodes to its own ASCII string, so the runner's text pieces name the tokens it 
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
 
-from tests.export.conftest import CAPACITY, LLAMA_MAX_CACHE_LEN, needs_executorch, run_command
+from tests.export.conftest import needs_executorch
 
 pytestmark = needs_executorch
 
@@ -40,28 +39,6 @@ def tokenizer_path(tmp_path_factory):
     return str(path), tokenizer
 
 
-@pytest.fixture(scope="module")
-def forward_only_pte(cli_exports):
-    """The same checkpoint lowered with `--methods forward`: the LLM runner's method alone."""
-    upstream, pte, _ = cli_exports["llama"]
-    folder = os.path.dirname(pte)
-    out = os.path.join(folder, "forward-only.pte")
-    status, _, stderr = run_command(
-        "export",
-        os.path.join(folder, "checkpoint"),
-        "--out",
-        out,
-        *CAPACITY[:3],
-        str(LLAMA_MAX_CACHE_LEN),
-        "--backend",
-        "portable",
-        "--methods",
-        "forward",
-    )
-    assert status == 0, stderr
-    return upstream, out
-
-
 @pytest.mark.parametrize("methods", ["all", "forward"])
 @pytest.mark.parametrize("prompt", ["the lazy dog", "seven wizards"])
 def test_text_llm_runner_generates_eager_greedy_tokens_from_our_pte(
@@ -69,7 +46,7 @@ def test_text_llm_runner_generates_eager_greedy_tokens_from_our_pte(
 ):
     from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
 
-    upstream, pte = forward_only_pte if methods == "forward" else cli_exports["llama"][:2]
+    upstream, pte = (forward_only_pte if methods == "forward" else cli_exports["llama"])[:2]
     path, tokenizer = tokenizer_path
     prompt_ids = tokenizer.encode(prompt).ids
     new_tokens = 8

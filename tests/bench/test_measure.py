@@ -56,11 +56,27 @@ def test_largest_batch_step_is_the_median_step_of_the_calls_at_the_largest_batch
         (
             False,
             {"max_batch_size": 8, "max_cache_len": 60, "max_prompt_len": 48},
-            {"max_batch_size": [4], "max_prompt_len": [24], "max_cache_len": [35]},
+            {"max_batch_size": [4], "max_prompt_len": [12, 24, 36], "max_cache_len": [35]},
         ),
     ],
 )
-def test_bench_buckets_halve_each_capacity_and_follow_decoder_only_prompts_to_their_decoder_length(
+def test_bench_buckets_halve_each_capacity_and_split_decoder_only_prompts_in_quarters(
     encoder_decoder, capacities, expected
 ):
     assert bench_buckets(capacities, encoder_decoder=encoder_decoder, new_tokens=12) == expected
+
+
+def test_bench_buckets_of_a_decoder_only_model_make_four_decode_shapes_whatever_the_prompt_buckets():
+    from transformers_flexcache.cache import CacheConfig
+    from transformers_flexcache.padding import POLICIES
+    from transformers_flexcache.registry import convert
+
+    upstream, _ = LLAMA.build("sdpa")
+    model = convert(upstream)
+    capacities = {"max_batch_size": 8, "max_cache_len": 59, "max_prompt_len": 48}
+    buckets = bench_buckets(capacities, encoder_decoder=False, new_tokens=12)
+    config = CacheConfig.parse({**capacities, "shape_policy": "bucketed", "buckets": buckets})
+    shapes = POLICIES["bucketed"].call_shapes(model, config, max_new_tokens=12, expand=1)
+    assert {shape.length for shape in shapes} == {12, 24, 36, 48}
+    # generate compiles one decode graph per rows and decoder length: the prompt buckets add none
+    assert {(shape.batch_size, shape.cache_len) for shape in shapes} == {(4, 35), (4, 59), (8, 35), (8, 59)}

@@ -111,7 +111,8 @@ def build_models(model: RealSizedModel, *, seed: int = 0):
 def stream(model: RealSizedModel, config, *, seed: int = 0, num_calls: int = 6) -> list[dict]:
     """The seeded calls: generate inputs of batch 1..max, lengths 8..48, and one encoder length >= 128."""
     generator = torch.Generator().manual_seed(seed)
-    batches = [1, model.max_batch_size, 3, 2, model.max_batch_size // 2 or 1, model.max_batch_size]
+    batches = [min(b, model.max_batch_size) for b in (1, model.max_batch_size, 3, 2, model.max_batch_size // 2 or 1)]
+    batches.append(model.max_batch_size)
     calls = []
     for index in range(num_calls):
         batch_size = batches[index % len(batches)]
@@ -303,6 +304,21 @@ def _generate_ids(upstream) -> dict:
     }
 
 
+def _suppressing_processors(upstream):
+    """The token-suppressing processors that upstream's `generate` applies for this generation config (Whisper's
+    `suppress_tokens` and `begin_suppress_tokens`, in upstream's order), for our `generate`; None when it has none."""
+    from transformers import LogitsProcessorList, SuppressTokensAtBeginLogitsProcessor, SuppressTokensLogitsProcessor
+
+    config = upstream.generation_config
+    processors = LogitsProcessorList()
+    if config.suppress_tokens is not None:
+        processors.append(SuppressTokensLogitsProcessor(config.suppress_tokens))
+    if config.begin_suppress_tokens is not None:
+        begin_index = 1 if upstream.config.is_encoder_decoder else 0  # after the decoder start token
+        processors.append(SuppressTokensAtBeginLogitsProcessor(config.begin_suppress_tokens, begin_index=begin_index))
+    return processors or None
+
+
 def decode_ours(runner, upstream, calls: list[dict], expected: list[torch.Tensor]) -> dict:
     """Run the stream on our program; per-step latency and token agreement with `expected`."""
     from .generate import generate
@@ -313,9 +329,17 @@ def decode_ours(runner, upstream, calls: list[dict], expected: list[torch.Tensor
     for inputs, want in zip(calls, expected, strict=True):
         timer.steps.clear()
         with _Clock() as clock:
-            tokens = generate(runner, **inputs, max_new_tokens=NEW_TOKENS, **_generate_ids(upstream))
+            tokens = generate(
+                runner,
+                **inputs,
+                max_new_tokens=NEW_TOKENS,
+                logits_processor=_suppressing_processors(upstream),
+                **_generate_ids(upstream),
+            )
         walls.append(clock.wall)
         steps.extend(timer.steps[1:])
+        if upstream.config.model_type == "whisper":
+            tokens = tokens[:, 1:]  # Whisper's generate returns its sequences without the decoder start token
         equal += int(torch.equal(tokens, want))
     return {"step_ms": 1e3 * statistics.mean(steps), "call_s": walls, "calls_equal": equal, "calls": len(calls)}
 

@@ -202,48 +202,51 @@ def _time_table(model: dict) -> list[str]:
     return _render("time (stream)", headers, rows)
 
 
+def _largest_batch(model: dict) -> str:
+    return f"B={max((call['batch_size'] for call in model['stream']), default=0)}"
+
+
+def _latency_cells(figures: dict, median: str, largest: str) -> list[str]:
+    """A median over all steps and over the largest batch's, each with its ratio to DynamicCache's."""
+    vs = figures["vs_dynamic"] or {}
+    return [
+        _cell(figures[median], "{:.1f}"),
+        _ratio(vs.get(median)),
+        _cell(figures[largest], "{:.1f}"),
+        _ratio(vs.get(largest)),
+    ]
+
+
 def _step_table(model: dict) -> list[str]:
-    batch = max((call["batch_size"] for call in model["stream"]), default=0)
-    big = f"B={batch}"
+    big = _largest_batch(model)
     headers = ["step ms", "step/dyn", f"{big} ms", f"{big}/dyn", f"{big}/ct2", f"{big}/floor"]
     peer = model["strategies"].get("ctranslate2", {}).get("largest_batch_step_ms")
-    rows = []
-    for name, f in model["strategies"].items():
-        vs = f["vs_dynamic"] or {}
-        rows.append(
-            [
-                name,
-                _cell(f["step_latency_ms"], "{:.1f}"),
-                _ratio(vs.get("step_latency_ms")),
-                _cell(f["largest_batch_step_ms"], "{:.1f}"),
-                _ratio(vs.get("largest_batch_step_ms")),
-                _ratio(_divide(f["largest_batch_step_ms"], peer)),
-                _ratio(f["largest_batch_step_vs_floor"]),
-            ]
-        )
+    rows = [
+        [
+            name,
+            *_latency_cells(f, "step_latency_ms", "largest_batch_step_ms"),
+            _ratio(_divide(f["largest_batch_step_ms"], peer)),
+            _ratio(f["largest_batch_step_vs_floor"]),
+        ]
+        for name, f in model["strategies"].items()
+    ]
     return _render("decode step (median)", headers, rows)
 
 
 def _forward_table(model: dict) -> list[str]:
     """The model's forward alone on decode steps: the step less generate's own work (logits processors, stopping
     criteria, picking the token)."""
-    batch = max((call["batch_size"] for call in model["stream"]), default=0)
-    big = f"B={batch}"
+    big = _largest_batch(model)
     headers = ["fwd ms", "fwd/dyn", f"{big} fwd ms", f"{big}/dyn", f"{big}/floor", "fwd/step"]
-    rows = []
-    for name, f in model["strategies"].items():
-        vs = f["vs_dynamic"] or {}
-        rows.append(
-            [
-                name,
-                _cell(f["forward_ms"], "{:.1f}"),
-                _ratio(vs.get("forward_ms")),
-                _cell(f["largest_batch_forward_ms"], "{:.1f}"),
-                _ratio(vs.get("largest_batch_forward_ms")),
-                _ratio(f["largest_batch_forward_vs_floor"]),
-                _percent(_divide(f["largest_batch_forward_ms"], f["largest_batch_step_ms"])),
-            ]
-        )
+    rows = [
+        [
+            name,
+            *_latency_cells(f, "forward_ms", "largest_batch_forward_ms"),
+            _ratio(f["largest_batch_forward_vs_floor"]),
+            _percent(_divide(f["largest_batch_forward_ms"], f["largest_batch_step_ms"])),
+        ]
+        for name, f in model["strategies"].items()
+    ]
     if all(row[1] == "-" for row in rows):
         return []
     return _render("model forward (median, decode steps)", headers, rows)
@@ -381,16 +384,16 @@ def format_model(name: str, model: dict, *, bandwidth: float | None = None) -> s
     return "\n".join(lines)
 
 
-def _wrapped(label: str, paragraphs: list[str], width: int = 100) -> list[str]:
-    """Each paragraph as indented lines of at most `width` columns (a path or a word longer than that is kept
-    whole)."""
+def _wrapped(label: str, paragraphs: list[str], width: int = 100, indent: str = "  ") -> list[str]:
+    """Each paragraph as lines of at most `width` columns, `label` first, the rest under it (a path or a word longer
+    than that is kept whole)."""
     lines = []
     for paragraph in paragraphs:
         lines += textwrap.wrap(
             paragraph,
             width,
-            initial_indent="  " + label,
-            subsequent_indent="  " + " " * len(label),
+            initial_indent=indent + label,
+            subsequent_indent=indent + " " * len(label),
             break_long_words=False,
             break_on_hyphens=False,
         )
@@ -441,7 +444,7 @@ def format_footer(report: dict) -> str:
             for a in report["agreement_only"]
         ]
     if report["failures"]:
-        lines += [line[2:] for line in _wrapped("FAILED: ", ["; ".join(report["failures"])])]
+        lines += _wrapped("FAILED: ", ["; ".join(report["failures"])], indent="")
     return "\n".join(lines)
 
 

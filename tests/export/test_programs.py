@@ -224,6 +224,28 @@ def test_decode_refuses_to_run_before_prefill_and_forward_refuses_more_than_one_
         runner.forward(torch.ones(2, 3), torch.arange(3))
 
 
+def test_whisper_text_decoder_reads_its_fixed_length_cross_keys_whole_and_as_the_first_operand_of_bmm(
+    whisper_features,
+):
+    # ExecuTorch copies every slice (reading rows [:B] of the 1500-position buffers would copy them at every step),
+    # and XNNPACK's bmm takes no transposed operand (bmm(query, key^T) would copy every key transposed).
+    _, programs = whisper_features
+    program = programs.programs["text_decoder"]
+    buffers = program.graph_signature.inputs_to_buffers
+    views = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default)
+    keys = [
+        node for node in program.graph.nodes if node.op == "placeholder" and "cross_keys" in buffers.get(node.name, "")
+    ]
+    assert len(keys) == programs.wrapper.num_layers
+    for node in keys:
+        reached = node
+        while len(reached.users) == 1 and next(iter(reached.users)).target in views:
+            reached = next(iter(reached.users))
+        users = list(reached.users)
+        assert [user.target for user in users] == [torch.ops.aten.bmm.default], (node.name, users)
+        assert users[0].args[0] is reached, "the keys are bmm's second operand"
+
+
 def test_exportable_wrapper_refuses_an_upstream_model_with_the_fix():
     upstream, _ = T5.build()
     with pytest.raises(TypeError, match=r"transformers_flexcache.convert\(model\)"):

@@ -14,6 +14,13 @@ Design decisions:
 - Self-attention rows are laid out `[B_max, H, L_max]` (row `(b * H + h) * L_max + position`), so a call's batch is
   a prefix. Cross-attention keys/values are packed for the call's encoder length: `[B, H, L_enc]` from row 0, so
   that a call's view is a prefix too, whatever `L_enc`.
+- ExecuTorch copies a prefix (`slice_copy`: its views must keep the element count), so every read of a call's rows
+  `[:B]` is a copy of them per layer and step. A cross-attention layer whose length is fixed (Whisper's 1500
+  encoder positions: 18 MB of keys and values per row of whisper-tiny) may instead be read whole
+  (`read_all_rows`): `get_kv` returns all `B_max` rows as a view of the whole buffer, which ExecuTorch makes
+  without a copy, and the export attention runs the rows past the call's batch on zero queries
+  (`rewrites.export_attention_forward`). Reading `B_max` rows costs less than copying `B` rows and reading them
+  again whenever `B > B_max / 3`.
 """
 
 from __future__ import annotations
@@ -61,15 +68,21 @@ class BufferViewLayer(FlexibleStaticLayer):
         max_cache_len: int,
         batch_size,
         seq_len,
+        read_all_rows: bool = False,
     ):
         # key_storage, value_storage: [N_max, D] with N_max = max_batch_size * num_heads * max_cache_len, used in place
         self.num_heads, self.max_batch_size, self.max_cache_len = num_heads, max_batch_size, max_cache_len
+        self.read_all_rows = read_all_rows
         self.device = key_storage.device
         self._key_storage, self._value_storage = key_storage, value_storage
         self.batch_size, self.seq_len = batch_size, seq_len
         self.is_initialized = True
 
     def get_kv(self, batch_size, length) -> tuple[torch.Tensor, torch.Tensor]:  # -> 2 x [B, H, length, D]
+        if self.read_all_rows and isinstance(length, int) and length == self.max_cache_len:
+            # every row: a view of the whole buffer, no slice -> 2 x [B_max, H, L_max, D]
+            shape = (self.max_batch_size, self.num_heads, length)
+            return self._key_storage.view(*shape, -1), self._value_storage.view(*shape, -1)
         return (
             packed_view(self._key_storage, batch_size, self.num_heads, length),
             packed_view(self._value_storage, batch_size, self.num_heads, length),

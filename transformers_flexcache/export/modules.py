@@ -230,6 +230,8 @@ class ExportableEncoderDecoder(_ExportableBase):
                 max_cache_len=self.max_encoder_len,
                 batch_size=batch_size,
                 seq_len=encoder_len,
+                # Log-mel features fill every encoder position: read whole rows (see cache/buffer_views.py).
+                read_all_rows=self.encoder_input == "input_features" and self.max_batch_size > 1,
             )
             for i, num_heads in enumerate(self.num_heads)
         ]

@@ -5,11 +5,10 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
-import os
 
 import pytest
 
-from tests.export.helpers import BATCHED_ONLY_CLI_TYPES, ONE_LAYER
+from tests.export.helpers import ONE_LAYER
 from transformers_flexcache.__main__ import main
 
 needs_executorch = pytest.mark.skipif(
@@ -45,8 +44,6 @@ class CliExports:
             upstream.save_pretrained(folder / "checkpoint")
             out = str(folder / "model.pte")
             extra = ["--max-encoder-len", str(ENCODER_LEN[name])] if name in ENCODER_LEN else []
-            if name in BATCHED_ONLY_CLI_TYPES:
-                extra += ["--methods", "prefill,decode"]
             decoder_only = not upstream.config.is_encoder_decoder
             capacity = [*CAPACITY[:3], str(LLAMA_MAX_CACHE_LEN)] if decoder_only else CAPACITY
             status, stdout, stderr = run_command(
@@ -60,26 +57,3 @@ class CliExports:
 @pytest.fixture(scope="session")
 def cli_exports(tmp_path_factory) -> CliExports:
     return CliExports(tmp_path_factory)
-
-
-@pytest.fixture(scope="session")
-def forward_only_pte(cli_exports) -> tuple:
-    """(upstream model, .pte path, stdout): the Llama checkpoint of `cli_exports` lowered with `--methods forward`,
-    the LLM runner's method alone."""
-    upstream, pte, _ = cli_exports["llama"]
-    folder = os.path.dirname(pte)
-    out = os.path.join(folder, "forward-only.pte")
-    capacity = [*CAPACITY[:3], str(LLAMA_MAX_CACHE_LEN)]
-    status, stdout, stderr = run_command(
-        "export",
-        os.path.join(folder, "checkpoint"),
-        "--out",
-        out,
-        *capacity,
-        "--backend",
-        "portable",
-        "--methods",
-        "forward",
-    )
-    assert status == 0, stderr
-    return upstream, out, stdout

@@ -91,9 +91,6 @@ ONE_LAYER = {
     **{case.name: case for case in (QWEN2, QWEN3, PHI3, GPT2, GEMMA3_TEXT)},
     "mistral": dataclasses.replace(MISTRAL, build_config=_one_layer(MISTRAL.build_config, "num_hidden_layers")),
 }
-# Decoder-only types whose CLI test lowers only the batched methods (`--methods prefill,decode`): the runtime test
-# runs those; `forward` is ExecuTorch's LLM runner's, tested on Llama (tests/export/test_llm_runner.py).
-BATCHED_ONLY_CLI_TYPES = ("mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "gpt2")
 
 
 def generate_kwargs(upstream) -> dict:

@@ -87,57 +87,6 @@ def test_cli_refuses_bad_arguments_with_value_limit_and_fix_before_loading_anyth
     assert not out.exists()
 
 
-@pytest.mark.parametrize(
-    ("methods", "message"),
-    [
-        ("prefill", r"prefill and decode generate together .* pass both, or forward alone"),
-        ("forward,encoder", r"llama programs have the methods prefill,decode,forward"),
-        (",", r"llama programs have the methods"),
-    ],
-)
-def test_cli_refuses_methods_that_cannot_generate_before_loading_anything(saved_llama, tmp_path, methods, message):
-    out = tmp_path / "model.pte"
-    status, stdout, stderr = run_command(
-        "export", str(saved_llama), "--out", str(out), *CAPACITY, "--methods", methods
-    )
-    assert status == 2 and stdout == ""
-    assert re.search(message, stderr), stderr
-    assert not out.exists()
-
-
-def test_cli_refuses_a_part_of_an_encoder_decoder_program(tmp_path):
-    upstream, _ = ONE_LAYER["t5"].build()
-    upstream.save_pretrained(tmp_path / "t5")
-    status, _, stderr = run_command(
-        "export",
-        str(tmp_path / "t5"),
-        "--out",
-        str(tmp_path / "m.pte"),
-        *CAPACITY,
-        "--max-encoder-len",
-        "10",
-        "--methods",
-        "encoder",
-    )
-    assert status == 2 and "needs both encoder,text_decoder to generate; drop --methods" in stderr, stderr
-
-
-def test_cli_lowers_only_the_llm_runners_forward_when_asked(forward_only_pte):
-    from executorch.runtime import Runtime
-
-    _, out, stdout = forward_only_pte
-    assert "methods: forward (+ metadata:" in stdout
-    assert "planned memory of forward:" in stdout and "planned memory of decode" not in stdout
-    names = set(Runtime.get().load_program(out).method_names)
-    assert "forward" in names and not {"prefill", "decode"} & names
-    runner = ExecuTorchPrograms(out)
-    ids = torch.tensor([[5, 6, 7]])
-    with pytest.raises(ValueError, match="was lowered without prefill"):
-        runner.prefill(
-            ids, torch.ones(1, LLAMA_MAX_CACHE_LEN, dtype=torch.long), torch.arange(3)[None], torch.arange(3)
-        )
-
-
 def test_cli_refuses_a_folder_without_a_checkpoint(tmp_path):
     status, _, stderr = run_command("export", str(tmp_path), "--out", str(tmp_path / "m.pte"), *CAPACITY)
     assert status == 2 and "has no config.json: MODEL_DIR must be a folder written by save_pretrained" in stderr
@@ -190,8 +139,8 @@ def test_lowering_refuses_and_removes_a_pte_whose_input_bounds_executorch_narrow
 def test_exported_pte_serves_every_batch_from_one_planned_cache(cli_exports):
     _, path, _ = cli_exports["llama"]
     runner = ExecuTorchPrograms(path)
-    assert sorted(runner.method_names) == ["decode", "forward", "prefill"]
-    # All methods are loaded up front and share the cache buffers: a sequence started by prefill continues in decode.
+    assert sorted(runner.method_names) == ["forward", "start"]
+    # Both methods are loaded up front and share the buffers: a sequence that prefill started continues in decode.
     mask = torch.zeros(3, LLAMA_MAX_CACHE_LEN, dtype=torch.long)
     mask[:, :2] = 1
     runner.prefill(torch.full((3, 2), 5), mask, torch.tensor([[0, 1]] * 3), torch.arange(2))

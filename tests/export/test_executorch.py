@@ -26,9 +26,9 @@ NEW_TOKENS = 6
 QUANTIZED_LOGITS_TOLERANCE = 1e-2
 
 
-def _lowered(model, tmp_path, methods=None, **capacity):
+def _lowered(model, tmp_path, **capacity):
     programs = export_model(model, **capacity)
-    return ExecuTorchPrograms(programs.to_executorch(tmp_path / "model.pte", backend="xnnpack", methods=methods))
+    return ExecuTorchPrograms(programs.to_executorch(tmp_path / "model.pte", backend="xnnpack"))
 
 
 def _teacher_forced_logits(runner, input_ids, attention_mask, tokens) -> torch.Tensor:
@@ -53,8 +53,7 @@ def test_quantized_xnnpack_export_computes_the_logits_of_the_same_quantized_mode
     case = ONE_LAYER["llama"]
     _, flex = case.build(seed=1)
     assert quantize_model_(flex, mode) > 0
-    # prefill and decode only: the LLM runner's forward is covered by tests/export/test_llm_runner.py
-    runner = _lowered(flex, tmp_path, methods=("prefill", "decode"), **LLAMA_CAPACITY)
+    runner = _lowered(flex, tmp_path, **LLAMA_CAPACITY)
     generator = torch.Generator().manual_seed(3)
     for batch_size, prompt_len in SHAPES:
         inputs = case.make_inputs(batch_size, prompt_len, generator)

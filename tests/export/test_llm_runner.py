@@ -1,7 +1,9 @@
 """ExecuTorch's own C++ LLM runner (`executorch.extension.llm.runner.TextLLMRunner`) on our decoder-only `.pte`.
 
 The `.pte` is the CLI's export of the tiny Llama (tests/export/conftest.py): its `forward` method and metadata
-methods follow the runner's convention, while `prefill`/`decode` serve every batch from the same memory plan. The
+methods follow the runner's convention, and the same `forward`, after `start`, serves every batch from the same
+memory plan (tests/export/test_cli.py). The runner never calls `start`: it finds row 0 unpadded, as the `.pte`
+holds its mask. The
 tokenizer is a byte-level BPE trained here on a few ASCII words, to exactly the model's 99 tokens: every token then
 decodes to its own ASCII string, so the runner's text pieces name the tokens it generated.
 """
@@ -39,14 +41,11 @@ def tokenizer_path(tmp_path_factory):
     return str(path), tokenizer
 
 
-@pytest.mark.parametrize("methods", ["all", "forward"])
 @pytest.mark.parametrize("prompt", ["the lazy dog", "seven wizards"])
-def test_text_llm_runner_generates_eager_greedy_tokens_from_our_pte(
-    cli_exports, forward_only_pte, tokenizer_path, prompt, methods
-):
+def test_text_llm_runner_generates_eager_greedy_tokens_from_our_pte(cli_exports, tokenizer_path, prompt):
     from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
 
-    upstream, pte = (forward_only_pte if methods == "forward" else cli_exports["llama"])[:2]
+    upstream, pte = cli_exports["llama"][:2]
     path, tokenizer = tokenizer_path
     prompt_ids = tokenizer.encode(prompt).ids
     new_tokens = 8

@@ -224,6 +224,44 @@ def test_decode_refuses_to_run_before_prefill_and_forward_refuses_more_than_one_
         runner.forward(torch.ones(2, 3), torch.arange(3))
 
 
+def test_prefill_and_decode_refuse_positions_and_masks_that_the_program_would_not_use_and_stay_usable(llama):
+    upstream, programs = llama
+    runner = _fresh(programs)
+    inputs = LLAMA.make_inputs(2, 5, torch.Generator().manual_seed(4))
+    attention_mask = inputs["attention_mask"]
+    assert (attention_mask == 0).any(), "the prompt must be left-padded for this test"
+    mask = torch.zeros(2, LLAMA_CAPACITY["max_cache_len"], dtype=torch.long)
+    mask[:, :5] = attention_mask
+    counted = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+    with pytest.raises(ValueError, match=r"position_ids=.* are not the mask's: .* pass those"):
+        runner.prefill(inputs["input_ids"], mask, torch.arange(5).expand(2, 5), torch.arange(5))
+    with pytest.raises(ValueError, match=r"prefill starts a sequence at position 0, got .* starting at 1"):
+        runner.prefill(inputs["input_ids"], mask, counted, torch.arange(1, 6))
+    runner.prefill(inputs["input_ids"], mask, counted, torch.arange(5))
+    changed = mask.clone()
+    changed[:, 5] = 1
+    changed[0, 4] = 0
+    with pytest.raises(ValueError, match=r"attention_mask\[:, :6\] differs from the sequence's"):
+        runner.decode(torch.ones(2, 1), changed, counted[:, -1:] + 1, torch.tensor([5]))
+    # Nothing ran: generate on the same buffers gives upstream's tokens.
+    expected = upstream.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+    assert torch.equal(greedy_generate(runner, **inputs, max_new_tokens=NEW_TOKENS), expected)
+
+
+def test_llm_runner_forward_after_a_padded_prefill_finds_row_zero_unpadded(llama):
+    upstream, programs = llama
+    runner = _fresh(programs)
+    padded = LLAMA.make_inputs(3, 6, torch.Generator().manual_seed(8))
+    padded["attention_mask"][0, :2] = 0  # row 0's mask in the program now hides positions 0 and 1
+    greedy_generate(runner, **padded, max_new_tokens=2)
+    prompt = LLAMA.make_inputs(1, 6, torch.Generator().manual_seed(9))["input_ids"]
+    expected = upstream.generate(prompt, max_new_tokens=2, do_sample=False)
+    logits = runner.forward(prompt, torch.arange(6))
+    first = logits[:, -1].argmax(-1, keepdim=True)
+    second = runner.forward(first, torch.tensor([6]))[:, -1].argmax(-1, keepdim=True)
+    assert torch.equal(torch.cat([prompt, first, second], dim=-1), expected)
+
+
 def test_whisper_text_decoder_reads_its_fixed_length_cross_keys_whole_and_as_the_first_operand_of_bmm(
     whisper_features,
 ):

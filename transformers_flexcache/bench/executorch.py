@@ -182,8 +182,7 @@ class OursRunner(_ProgramRunner):
 
         workdir = tempfile.TemporaryDirectory(prefix="flexcache-bench-executorch-")
         path = os.path.join(workdir.name, f"{name}.pte")
-        methods = None if upstream.config.is_encoder_decoder else ("prefill", "decode")
-        lowered = lower_ours(flex, capacities, path, backend="xnnpack", quantize=quantize, methods=methods)
+        lowered = lower_ours(flex, capacities, path, backend="xnnpack", quantize=quantize)
         lowering = {
             "lowering_s": lowered["export_s"] + lowered["lower_s"],
             "export_s": lowered["export_s"],

@@ -22,11 +22,14 @@ encoder inputs and the logits:
                      [B, num_mel_bins, 2 * L_enc]` (Whisper; `L_enc` fixed at `max_source_positions`, and then
                      neither method takes a mask: ExecuTorch's ASR runner calls them so), `flattened_patches
                      [B, L_enc, 2 + patch]` (Pix2Struct) or `encoder_hidden_states [B, L_enc, d]` (any model).
-    decoder-only     `prefill(input_ids [B, S], attention_mask [B, L_max], position_ids [B, S], cache_position [S])
-                     -> logits [B, S, V]` starts a sequence for rows [:B] (zeroes them, then runs the prompt);
-                     `decode`, the same inputs with S = 1, continues it. `forward(tokens [1, S], cache_position [S])
-                     -> logits [1, S, V]` is ExecuTorch's LLM-runner method (`TextLLMRunner`) on row 0: no padding,
-                     positions are `cache_position`, and a call at position 0 starts a new sequence.
+    decoder-only     `forward(tokens [B, S], cache_position [S]) -> logits [B, S, V]` is ExecuTorch's LLM-runner
+                     method (`TextLLMRunner`), on rows [:B]: it runs S tokens per row at positions `cache_position`
+                     under each row's mask over the cache positions (the buffer `sequence_mask [B_max, L_max]`),
+                     with position ids counted from that mask as `generate` counts them. `start(attention_mask
+                     [B, L_max]) -> [B]` starts sequences on rows [:B]: it zeroes their cache rows and sets their
+                     masks (a left-padded prompt's zeros). The `.pte` holds the mask as all ones, so that the LLM
+                     runner, which never calls `start`, finds row 0 unpadded; a `forward` at position 0 zeroes row 0.
+                     The runners' `prefill` and `decode` are `start` then `forward`, and `forward` again.
 
 Design decisions:
 - The wrapper module owns the cache as registered buffers, allocated once at the maximum shape; ExecuTorch plans
@@ -36,13 +39,13 @@ Design decisions:
   the model's own forward, so the override's `update` / `get_kv` path writes and reads the cache and logits come
   from the model's own head (T5's `d_model**-0.5` output scaling is kept).
 - Batch, encoder length and prompt tokens are dynamic dimensions (`torch.export.Dim` bounded by the capacities);
-  `decode` and `text_decoder` take one token (a static dimension), `forward` one row. Fewer dynamic sizes per
-  method let XNNPACK take whole layers (`rewrites.py`); multi-token decoder prefixes run token by token.
+  `text_decoder` takes one token (a static dimension). One decoder-only method of the model, `forward`, serves the
+  prompt, every step and ExecuTorch's LLM runner: lowering time goes per method (a third of that of three).
 - Self-attention positions are an input tensor, `cache_position`, as in upstream's `StaticCache`: new keys/values
   are written at those positions, and attention reads the whole row `[:B, :, :L_max]` under the causal mask that the
-  model builds from `cache_position[0]` (`get_seq_length()`). A sequence starts by `encoder` / `prefill` / `forward`
-  at position 0, which zero the rows first: ExecuTorch does not initialize mutable buffers, and a masked slot must
-  still hold a finite value (a NaN there would survive the mask).
+  model builds from `cache_position[0]` (`get_seq_length()`). A sequence starts by `encoder` / `start` (or
+  `forward` at position 0, for row 0), which zero the rows first: ExecuTorch does not initialize mutable buffers,
+  and a masked slot must still hold a finite value (a NaN there would survive the mask).
 - While the model is traced, `rewrites.export_friendly` gives it an eager attention and norms in ops that XNNPACK
   delegates (same math, float sums in another order).
 - Capacities and inputs are checked in Python by the runners (`ExportedPrograms`, `ExecuTorchPrograms`) before a

@@ -7,9 +7,6 @@ Design decisions:
   type), then `transformers_flexcache.convert` turns it into the override in place: no global registration.
 - Progress goes to stdout, one line per stage (load, quantize, export, lower, write) with its seconds, then a
   summary: methods, capacities, `.pte` size, planned memory.
-- `--methods` picks the decoder-only methods to lower (lowering time goes per method): `forward` alone for
-  ExecuTorch's LLM runner, `prefill,decode` for batches. Every method is still exported (seconds), then only those
-  are lowered.
 """
 
 from __future__ import annotations
@@ -21,8 +18,6 @@ import sys
 import time
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
-DECODER_ONLY_METHODS = ("prefill", "decode", "forward")
-ENCODER_DECODER_METHODS = ("encoder", "text_decoder")
 # Upstream AutoModel class per supported model type, where `config.architectures` does not name the class.
 _AUTO_CLASSES = {
     "whisper": "AutoModelForSpeechSeq2Seq",
@@ -68,13 +63,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=("xnnpack", "portable"), default="xnnpack")
     parser.add_argument("--quantize", choices=("none", "8da4w", "int8"), default="none")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
-    parser.add_argument(
-        "--methods",
-        help="decoder-only models: the methods to lower, comma-separated, of "
-        f"{','.join(DECODER_ONLY_METHODS)} (default: all). `forward` alone is what ExecuTorch's LLM runner "
-        "(TextLLMRunner) calls, on one row; prefill,decode serve batches in our runners. Lowering time goes per "
-        "method. Encoder-decoder models always lower encoder and text_decoder",
-    )
 
 
 def _check_arguments(args) -> dict:
@@ -111,7 +99,6 @@ def _check_arguments(args) -> dict:
     except ValueError as error:
         raise CommandError(_as_flags(str(error))) from error
     encoder_decoder = _is_encoder_decoder(args.model_dir)
-    methods = _check_methods(args.methods, model_type, encoder_decoder=encoder_decoder)
     max_encoder_len, encoder_input = args.max_encoder_len, args.encoder_input
     if not encoder_decoder:
         if max_encoder_len is not None or encoder_input is not None:
@@ -143,28 +130,7 @@ def _check_arguments(args) -> dict:
         import executorch.exir  # noqa: F401
     except ImportError as error:
         raise CommandError('export needs executorch: pip install "transformers-flexcache[executorch]"') from error
-    return {"config": config, "max_encoder_len": max_encoder_len, "encoder_input": encoder_input, "methods": methods}
-
-
-def _check_methods(methods: str | None, model_type: str, *, encoder_decoder: bool) -> tuple[str, ...] | None:
-    """`--methods` as a tuple in the program's order (None: all)."""
-    if methods is None:
-        return None
-    names = [name.strip() for name in methods.split(",") if name.strip()]
-    valid = ENCODER_DECODER_METHODS if encoder_decoder else DECODER_ONLY_METHODS
-    unknown = [name for name in names if name not in valid]
-    if unknown or not names:
-        raise CommandError(f"--methods={methods}: {model_type} programs have the methods {','.join(valid)}")
-    if encoder_decoder and set(names) != set(valid):
-        raise CommandError(
-            f"--methods={methods}: an encoder-decoder program needs both {','.join(valid)} to generate; drop --methods"
-        )
-    if ("prefill" in names) != ("decode" in names):
-        raise CommandError(
-            f"--methods={methods}: prefill and decode generate together (prefill starts the rows, decode continues "
-            "them); pass both, or forward alone for ExecuTorch's LLM runner"
-        )
-    return tuple(name for name in valid if name in names)
+    return {"config": config, "max_encoder_len": max_encoder_len, "encoder_input": encoder_input}
 
 
 def _is_encoder_decoder(model_dir: str) -> bool:
@@ -239,13 +205,11 @@ def run(args, parser=None) -> int:
         programs,
         args.out,
         backend=args.backend,
-        methods=resolved["methods"],
         on_stage=lambda name, seconds: report(name, seconds, f"backend {args.backend}" if name == "lower" else ""),
     )
     print(f"{'total':>13}  {time.perf_counter() - total:7.1f} s")
     print(f"wrote {lowering.path} ({_megabytes(lowering.pte_bytes)})")
-    lowered = resolved["methods"] or tuple(programs.programs)
-    print(f"  methods: {', '.join(lowered)} (+ metadata: {', '.join(sorted(lowering.metadata))})")
+    print(f"  methods: {', '.join(programs.programs)} (+ metadata: {', '.join(sorted(lowering.metadata))})")
     print(f"  capacities: {', '.join(f'{k}={v}' for k, v in capacities.items())}")
     print(f"  cache buffers (planned once, shared): {_megabytes(lowering.shared_bytes)}")
     for name, num_bytes in lowering.planned_bytes.items():

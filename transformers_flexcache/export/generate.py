@@ -186,16 +186,20 @@ def _decoder_only_steps(runner, input_ids, attention_mask, _):
         attention_mask = torch.ones_like(input_ids)
     full_mask = torch.zeros(batch_size, runner.capacities["max_cache_len"], dtype=torch.long)
     full_mask[:, :prompt_len] = attention_mask
-    # As generate: positions count the real tokens of each row; padding gets position 0.
-    position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
-    logits = runner.prefill(input_ids, full_mask, position_ids, torch.arange(prompt_len))
+
+    def position_ids(cache_position):
+        # As generate: positions count each row's tokens so far; padding gets position 0.
+        counted = (full_mask.cumsum(-1) - 1)[:, cache_position]
+        return counted.masked_fill(full_mask[:, cache_position] == 0, 0)
+
+    cache_position = torch.arange(prompt_len)
+    logits = runner.prefill(input_ids, full_mask, position_ids(cache_position), cache_position)
     next_tokens = yield input_ids, logits[:, -1]
     position = prompt_len
-    position_ids = position_ids[:, -1:]
     while True:
         full_mask[:, position] = 1
-        position_ids = position_ids + 1
-        logits = runner.decode(next_tokens[:, None], full_mask, position_ids, torch.tensor([position]))
+        cache_position = torch.tensor([position])
+        logits = runner.decode(next_tokens[:, None], full_mask, position_ids(cache_position), cache_position)
         position += 1
         next_tokens = yield logits[:, -1]
 

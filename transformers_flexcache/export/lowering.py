@@ -10,6 +10,10 @@ Design decisions:
   (`_xnnpack_passes_limited_to_each_partition`, undone afterwards).
 - No edge transform passes: each would cost a verification of every method (seconds per method at real sizes). The
   graph rewrites that XNNPACK needs are done on the ATen programs at export (`rewrites.py`).
+- The wrapper's `initialized_buffers` (the decoder-only `sequence_mask`, all ones) are written into the `.pte` with
+  their values (`et_init_buffer`, what ExecuTorch's `InitializedMutableBufferPass` sets): ExecuTorch's LLM runner
+  calls `forward` without `start`, and must find row 0 unpadded. Set on the placeholders directly, not by that pass:
+  a pass re-traces every method. The cache buffers stay uninitialized (the methods zero rows as sequences start).
 - Metadata methods (constant methods of the `.pte`): our capacities (`max_batch_size`, `max_cache_len`,
   `max_encoder_len`, `is_encoder_decoder`, `encoder_input`) and, for decoder-only models, those of ExecuTorch's LLM
   runner (`get_max_seq_len`, `get_max_context_len`, `get_vocab_size`, `get_bos_id`, `get_eos_ids`,
@@ -157,7 +161,6 @@ def lower_to_executorch(
     path: str | os.PathLike,
     *,
     backend: str = "xnnpack",
-    methods: tuple[str, ...] | None = None,
     on_stage: Callable[[str, float], None] | None = None,
 ) -> LoweringReport:
     """Lower every method of `runner` (an `ExportedPrograms`) into one `.pte` at `path`, the cache buffers shared.
@@ -168,8 +171,6 @@ def lower_to_executorch(
         backend (`str`, *optional*, defaults to `"xnnpack"`): `"xnnpack"` delegates what XNNPACK runs (linear layers,
             attention matmuls, norms, ...); `"portable"` keeps ExecuTorch's portable kernels only (lowers faster,
             runs slower).
-        methods (`tuple[str, ...]`, *optional*): the methods to lower (default: all). Decoder-only programs may leave
-            out `forward` (ExecuTorch's LLM runner) or `prefill`/`decode` (our runners); lowering time is per method.
         on_stage (`Callable[[str, float], None]`, *optional*): called after each stage with its name and seconds.
 
     Returns:
@@ -177,8 +178,8 @@ def lower_to_executorch(
 
     Raises:
         ImportError: executorch is not installed (`pip install "transformers-flexcache[executorch]"`).
-        ValueError: an unknown `backend`, `methods` that the program does not have, a model type of `NOT_LOWERABLE`,
-            or a `.pte` whose input bounds ExecuTorch narrowed below the capacities (nothing is written then).
+        ValueError: an unknown `backend`, a model type of `NOT_LOWERABLE`, or a `.pte` whose input bounds ExecuTorch
+            narrowed below the capacities (nothing is written then).
     """
     check_backend(backend)
     model_type = getattr(runner.wrapper.model.config, "model_type", None)
@@ -188,11 +189,6 @@ def lower_to_executorch(
             "(export_model) serve every shape"
         )
     programs = runner.programs
-    if methods is not None:
-        unknown = sorted(set(methods) - set(programs))
-        if unknown or not methods:
-            raise ValueError(f"methods={list(methods)}: this program has {sorted(programs)}; pick some of them")
-        programs = {name: programs[name] for name in methods}
     try:
         from executorch.exir import ExecutorchBackendConfig, to_edge, to_edge_transform_and_lower
         from executorch.exir.passes import MemoryPlanningPass
@@ -223,6 +219,7 @@ def lower_to_executorch(
         name: sum("call_delegate" in str(node.target) for node in edge.exported_program(name).graph.nodes)
         for name in programs
     }
+    _mark_initialized_buffers(edge, programs, getattr(runner.wrapper, "initialized_buffers", ()))
     started = time.perf_counter()
     program = edge.to_executorch(
         ExecutorchBackendConfig(
@@ -248,6 +245,18 @@ def lower_to_executorch(
         num_partitions=num_partitions,
         metadata=metadata,
     )
+
+
+def _mark_initialized_buffers(edge, method_names, buffer_names) -> None:
+    """Mark the placeholders of the wrapper's buffers `buffer_names` (`owner.<name>` in every method) as holding
+    their initial values in the `.pte`."""
+    fqns = {f"owner.{name}" for name in buffer_names}
+    for method_name in method_names:
+        exported = edge.exported_program(method_name)
+        inputs_to_buffers = exported.graph_signature.inputs_to_buffers
+        for node in exported.graph.nodes:
+            if node.op == "placeholder" and inputs_to_buffers.get(node.name) in fqns:
+                node.meta["et_init_buffer"] = True
 
 
 def _input_upper_bounds(exported) -> list[list[int]]:

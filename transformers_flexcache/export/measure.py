@@ -10,7 +10,7 @@ Design decisions:
 - One seeded stream of calls per model (batch 1-8, input lengths 8-48, and one encoder length >= 128 for
   encoder-decoder models), greedy, a fixed number of new tokens (fewer when a row ends with EOS, as for `generate`).
   Every call's tokens are compared with upstream's eager `generate` (DynamicCache).
-- Latency is per decoder step (one `text_decoder` / `decode` call, or one forward of the eager model inside its
+- Latency is per decoder step (one `text_decoder` / `forward` call, or one forward of the eager model inside its
   `generate`), on one thread (torch and ExecuTorch's threadpool), steps 2..N of each call: the first step of eager
   `generate` also projects the cross-attention keys/values, which our `encoder` method does. Wall time of whole calls
   is reported too.
@@ -163,11 +163,10 @@ def lower_ours(
     *,
     backend: str = "xnnpack",
     quantize: str = "none",
-    methods: tuple[str, ...] | None = None,
 ) -> dict:
     """Export and lower our program for `flex` (a copy is quantized if asked); returns times, sizes, memory.
 
-    `methods` as in `lower_to_executorch` (default: all); `quantized_linears` counts the linears quantized."""
+    `quantized_linears` counts the linears quantized."""
     from .api import export_model
     from .lowering import lower_to_executorch
     from .quantize import quantize_model_
@@ -179,7 +178,7 @@ def lower_ours(
     with _Clock() as export_clock, torch.no_grad():
         programs = export_model(model, **capacities)
     with _Clock() as lower_clock:
-        report = lower_to_executorch(programs, path, backend=backend, methods=methods)
+        report = lower_to_executorch(programs, path, backend=backend)
     return {
         "export_s": export_clock.wall,
         "export_cpu_s": export_clock.cpu,
@@ -323,7 +322,7 @@ def decode_ours(runner, upstream, calls: list[dict], expected: list[torch.Tensor
     """Run the stream on our program; per-step latency and token agreement with `expected`."""
     from .generate import generate
 
-    step_method = "text_decoder" if runner.is_encoder_decoder else "decode"
+    step_method = "text_decoder" if runner.is_encoder_decoder else "forward"  # the first is the prompt's: dropped
     timer = _StepTimer(runner, step_method)
     steps, walls, equal = [], [], 0
     for inputs, want in zip(calls, expected, strict=True):
@@ -462,10 +461,8 @@ def measure_model(
     decode: bool = True,
     folder: str | None = None,
     num_calls: int = 6,
-    decoder_only_methods: tuple[str, ...] | None = None,
 ) -> dict:
-    """Every figure for one real-sized model (see the module docstring); JSON-serializable. `decoder_only_methods`:
-    the methods lowered for a decoder-only model (default all; the stream needs prefill and decode)."""
+    """Every figure for one real-sized model (see the module docstring); JSON-serializable."""
     from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
 
     from .runners import ExecuTorchPrograms
@@ -479,9 +476,7 @@ def measure_model(
     result = {"model": name, "description": model.description, "capacities": model.capacities, "ours": {}}
     for mode in quantize_modes:
         path = os.path.join(folder, f"ours-{mode}.pte")
-        methods = None if upstream.config.is_encoder_decoder else decoder_only_methods
-        result["ours"][mode] = lower_ours(flex, model.capacities, path, quantize=mode, methods=methods)
-        result["ours"][mode]["methods"] = list(methods or [])
+        result["ours"][mode] = lower_ours(flex, model.capacities, path, quantize=mode)
         result["ours"][mode]["path"] = path
     if upstream_exporter:
         batches = sorted({1, model.max_batch_size})
@@ -530,8 +525,7 @@ def _table(results: list[dict]) -> str:
             ratio = f"{step / eager:.2f}" if step and eager else ""
             planned = sum(o["planned_bytes"].values()) / 2**20
             lines.append(
-                f"| {r['model']} | ours, XNNPACK {'fp32' if mode == 'none' else mode}"
-                f"{' (' + ', '.join(o['methods']) + ')' if o.get('methods') else ''} | {o['export_s']:.0f} | "
+                f"| {r['model']} | ours, XNNPACK {'fp32' if mode == 'none' else mode} | {o['export_s']:.0f} | "
                 f"{o['lower_s']:.0f} ({o['lower_cpu_s']:.0f}) | {o['pte_bytes'] / 2**20:.0f} | {planned:.0f} | "
                 f"{f'{step:.1f}' if step else ''} | {ratio} | {d.get('calls_equal', '')}/{d.get('calls', '')} |"
             )
@@ -556,13 +550,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-upstream", action="store_true", help="skip transformers' exporter")
     parser.add_argument("--no-decode", action="store_true", help="lowering figures only")
     parser.add_argument("--calls", type=int, default=6, help="calls in the stream")
-    parser.add_argument(
-        "--decoder-only-methods",
-        nargs="+",
-        choices=("prefill", "decode", "forward"),
-        help="lower only these methods of decoder-only models (e.g. forward, as transformers' exporter); the "
-        "stream needs prefill and decode (else pass --no-decode)",
-    )
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--folder", help="keep the .pte files here (default: a temporary folder)")
     args = parser.parse_args(argv)
@@ -576,7 +563,6 @@ def main(argv: list[str] | None = None) -> int:
                 decode=not args.no_decode,
                 folder=args.folder and os.path.join(args.folder, name),
                 num_calls=args.calls,
-                decoder_only_methods=tuple(args.decoder_only_methods) if args.decoder_only_methods else None,
             )
         )
         if args.json:

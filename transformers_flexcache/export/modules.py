@@ -324,11 +324,15 @@ class ExportableEncoderDecoder(_ExportableBase):
 
 
 class ExportableDecoderOnly(_ExportableBase):
-    """A decoder-only override model plus its flexible cache as registered buffers: `prefill`, `decode`, `forward`.
+    """A decoder-only override model plus its flexible cache as registered buffers: `start` and `forward`.
 
-    `prefill` and `decode` take `(input_ids [B, S], attention_mask [B, L_max], position_ids [B, S],
-    cache_position [S])`: `prefill` starts a sequence for rows `[:B]` (it zeroes them first), `decode` continues it
-    one token at a time. `forward(tokens [1, S], cache_position [S])` is ExecuTorch's LLM-runner method on row 0.
+    `forward(tokens [B, S], cache_position [S])` is ExecuTorch's LLM-runner method, on rows `[:B]`: it runs `S`
+    tokens per row at positions `cache_position`, under each row's attention mask over the cache positions (the
+    buffer `sequence_mask [B_max, L_max]`, all ones until `start` sets it), with position ids counted from that
+    mask as `generate` counts them. `start(attention_mask [B, L_max])` starts sequences on rows `[:B]`: it zeroes
+    their cache rows and sets their masks (a left-padded prompt's zeros). A `forward` at position 0 zeroes row 0:
+    ExecuTorch's LLM runner never calls `start`, and gets row 0 unpadded. One method of the model serves every batch
+    and step: lowering time goes per method.
 
     Args:
         model: an override model (e.g. `FlexLlamaForCausalLM`), in eval mode.
@@ -342,8 +346,10 @@ class ExportableDecoderOnly(_ExportableBase):
 
     is_encoder_decoder = False
     encoder_input = None
-    method_names = ("prefill", "decode", "forward")
+    method_names = ("start", "forward")
     capacity_names = ("max_batch_size", "max_cache_len")
+    # Buffers that a `.pte` holds with their initial values (ExecuTorch leaves other mutable buffers uninitialized).
+    initialized_buffers = ("sequence_mask",)
 
     def __init__(self, model: nn.Module, *, max_batch_size: int, max_cache_len: int):
         super().__init__()
@@ -352,29 +358,35 @@ class ExportableDecoderOnly(_ExportableBase):
         self.model = model
         self.max_batch_size, self.max_cache_len = max_batch_size, max_cache_len
         self._register_self_attention_buffers(model)
+        ones = torch.ones(max_batch_size, max_cache_len, dtype=torch.long)
+        self.register_buffer("sequence_mask", ones, persistent=False)
 
-    def decode(self, input_ids, attention_mask, position_ids, cache_position) -> torch.Tensor:
-        # input_ids, position_ids: [B, S]; attention_mask: [B, L_max]; cache_position: [S] -> [B, S, V]
+    def start(self, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Start sequences on rows `[:B]`: zero their cache rows, set their masks. Returns each row's count of ones."""
+        # attention_mask: [B, L_max] -> [B]
+        batch_size = attention_mask.shape[0]
+        self._zero_self_attention_rows(batch_size)
+        rows = torch.arange(batch_size, device=attention_mask.device)
+        self.sequence_mask.index_put_((rows,), attention_mask)
+        return attention_mask.sum(-1)
+
+    def forward(self, tokens: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+        """`S` tokens per row of rows `[:B]` at positions `cache_position` (see the class docstring)."""
+        # tokens: [B, S]; cache_position: [S] -> logits [B, S, V]
+        batch_size = tokens.shape[0]
+        self._zero_self_attention_rows(1, where=cache_position[0] == 0)
+        attention_mask = self.sequence_mask[:batch_size]  # [B, L_max]
+        # As generate: positions count each row's tokens; padding gets position 0.
+        position_ids = attention_mask.cumsum(-1)[:, cache_position] - 1  # [B, S]
+        position_ids = position_ids.masked_fill(attention_mask[:, cache_position] == 0, 0)
         outputs = self.model(
-            input_ids=input_ids,
+            input_ids=tokens,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            cache=self._self_attention_cache(input_ids.shape[0], cache_position),
+            cache=self._self_attention_cache(batch_size, cache_position),
             use_cache=True,
         )
         return outputs.logits
-
-    def prefill(self, input_ids, attention_mask, position_ids, cache_position) -> torch.Tensor:
-        # input_ids, position_ids: [B, S]; attention_mask: [B, L_max]; cache_position: [S] -> [B, S, V]
-        self._zero_self_attention_rows(input_ids.shape[0])
-        return self.decode(input_ids, attention_mask, position_ids, cache_position)
-
-    def forward(self, tokens: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
-        """ExecuTorch's LLM-runner method: row 0, no padding; a call at position 0 starts a new sequence."""
-        # tokens: [1, S]; cache_position: [S] -> logits [1, S, V]
-        self._zero_self_attention_rows(1, where=cache_position[0] == 0)
-        attention_mask = torch.ones(1, self.max_cache_len, dtype=torch.long, device=tokens.device)
-        return self.decode(tokens, attention_mask, cache_position[None, :], cache_position)
 
 
 class _Method(nn.Module):
@@ -409,18 +421,7 @@ def example_inputs(wrapper: _ExportableBase) -> dict[str, tuple[tuple[torch.Tens
     tokens, s = _dim("tokens", wrapper.max_cache_len)
     ids, positions = torch.zeros(b, s, dtype=torch.long, device=device), torch.arange(s, device=device)
     mask = torch.ones(b, wrapper.max_cache_len, dtype=torch.long, device=device)
-    # Distinct tensors for distinct inputs: export would trace one tensor passed twice as a single input.
-    prefill = (
-        (ids, mask, torch.zeros_like(ids), positions),
-        ({0: batch, 1: tokens}, {0: batch}, {0: batch, 1: tokens}, {0: tokens}),
-    )
-    step = torch.zeros(b, 1, dtype=torch.long, device=device)
-    decode = (
-        (step, mask.clone(), torch.zeros_like(step), torch.tensor([s], device=device)),
-        ({0: batch}, {0: batch}, {0: batch}, None),
-    )
-    forward = ((ids[:1].clone(), positions.clone()), ({1: tokens}, {0: tokens}))
-    return {"prefill": prefill, "decode": decode, "forward": forward}
+    return {"start": ((mask,), ({0: batch},)), "forward": ((ids, positions), ({0: batch, 1: tokens}, {0: tokens}))}
 
 
 def _encoder_decoder_inputs(wrapper: ExportableEncoderDecoder, batch, b: int, device) -> dict:

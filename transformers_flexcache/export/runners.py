@@ -21,9 +21,11 @@ CAPACITY_NAMES = ("max_batch_size", "max_cache_len", "max_encoder_len")
 def input_names(is_encoder_decoder: bool, encoder_input: str | None, method_name: str) -> tuple[str, ...]:
     """The names of the tensors that `method_name` of such a program takes, in order."""
     if not is_encoder_decoder:
+        if method_name == "start":
+            return ("attention_mask",)
         if method_name == "forward":
             return ("tokens", "cache_position")
-        return ("input_ids", "attention_mask", "position_ids", "cache_position")
+        return ("input_ids", "attention_mask", "position_ids", "cache_position")  # the runners' prefill and decode
     masked = encoder_input != "input_features"
     if method_name == "encoder":
         return (encoder_input, "attention_mask") if masked else (encoder_input,)
@@ -46,10 +48,11 @@ class ProgramRunner:
         self.encoder_input = encoder_input if is_encoder_decoder else None
         # (method that started it, batch, encoder length, next position) of the sequence running, per row group
         self._started: dict[str, tuple[int, int | None, int]] = {}
+        self._sequence_mask: torch.Tensor | None = None  # [B, L_max]: the mask of the decoder-only sequence running
 
     @property
     def method_names(self) -> tuple[str, ...]:
-        return ("encoder", "text_decoder") if self.is_encoder_decoder else ("prefill", "decode", "forward")
+        return ("encoder", "text_decoder") if self.is_encoder_decoder else ("start", "forward")
 
     def _run(self, method_name: str, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
         raise NotImplementedError
@@ -180,43 +183,72 @@ class ProgramRunner:
         return logits
 
     # --- decoder-only ------------------------------------------------------------------------------------------
+    # The programs have `start` and `forward` (see the package docstring); `prefill` and `decode` are this runner's
+    # own: checks, then those methods.
     def prefill(self, *inputs: torch.Tensor) -> torch.Tensor:
         """Start a sequence: `(input_ids [B, S], attention_mask [B, L_max], position_ids [B, S], cache_position [S])`
-        -> logits `[B, S, V]`.
+        -> logits `[B, S, V]`. Runs `start` with the mask (ones from the position after the prompt: those slots are
+        hidden by the causal mask until written), then `forward`.
+
+        `position_ids` must be those that `generate` counts from the mask (each row's ones before a position, minus
+        one; 0 for padding): the program counts them itself.
 
         Raises:
             TypeError: not the inputs of this program.
-            ValueError: a batch or position beyond the capacities, or a malformed mask or `cache_position`.
+            ValueError: a batch or position beyond the capacities, a malformed mask or `cache_position`, or
+                `position_ids` other than the mask's.
         """
         self._require(False, "prefill")
         inputs = self._inputs("prefill", inputs)
-        input_ids, cache_position = inputs[0], inputs[3]
+        input_ids, attention_mask, position_ids, cache_position = inputs
         self._check_decoder_only_inputs("prefill", inputs)
+        if int(cache_position[0]) != 0:
+            raise ValueError(
+                f"prefill starts a sequence at position 0, got cache_position starting at {int(cache_position[0])}; "
+                "continue a sequence with decode"
+            )
         self._check_positions("prefill", cache_position, input_ids.shape[1], step=False)
-        logits = self._run("prefill", inputs)
-        self._started["decode"] = (input_ids.shape[0], None, int(cache_position[-1]) + 1)
+        sequence_mask = attention_mask.clone()
+        sequence_mask[:, input_ids.shape[1] :] = 1
+        self._check_position_ids("prefill", sequence_mask, position_ids, cache_position)
+        self._run("start", (sequence_mask,))
+        logits = self._run("forward", (input_ids, cache_position))
+        self._started["decode"] = (input_ids.shape[0], None, input_ids.shape[1])
+        self._sequence_mask = sequence_mask
         return logits
 
     def decode(self, *inputs: torch.Tensor) -> torch.Tensor:
         """One token per row after `prefill`; the inputs of `prefill` with `S = 1`. Returns logits `[B, 1, V]`.
 
+        The mask and position ids must continue those of `prefill`: ones at the positions written since (the
+        program keeps the mask that `prefill` started).
+
         Raises:
             TypeError: not the inputs of this program.
-            ValueError: as `prefill`, no `prefill` before, another batch than the `prefill`'s, or a gap in positions.
+            ValueError: as `prefill`, no `prefill` before, another batch than the `prefill`'s, a gap in positions, or
+                a mask or position ids that do not continue the sequence's.
         """
         self._require(False, "decode")
         inputs = self._inputs("decode", inputs)
-        input_ids, cache_position = inputs[0], inputs[3]
+        input_ids, attention_mask, position_ids, cache_position = inputs
         self._check_decoder_only_inputs("decode", inputs)
         start = self._check_positions("decode", cache_position, input_ids.shape[1], step=True)
         self._check_continues("decode", "decode", input_ids.shape[0], None, start, "prefill")
-        logits = self._run("decode", inputs)
+        seen = self._sequence_mask[:, : start + 1]
+        if not torch.equal(attention_mask[:, : start + 1], seen):
+            raise ValueError(
+                f"attention_mask[:, :{start + 1}] differs from the sequence's ({seen.tolist()}): prefill fixed the "
+                "mask of the prompt, and every position written since is a token (1); call prefill to start another "
+                "sequence"
+            )
+        self._check_position_ids("decode", self._sequence_mask, position_ids, cache_position)
+        logits = self._run("forward", (input_ids, cache_position))
         self._advance("decode", start)
         return logits
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         """ExecuTorch's LLM-runner method on row 0: `(tokens [1, S], cache_position [S])` -> logits `[1, S, V]`; a
-        call at position 0 starts a new sequence.
+        call at position 0 starts a new sequence, unpadded (as ExecuTorch's LLM runner finds the program).
 
         Raises:
             TypeError: not the inputs of this program.
@@ -232,6 +264,8 @@ class ProgramRunner:
         if start > 0:
             self._check_continues("forward", "forward", 1, None, start, "forward at position 0")
         else:
+            # The mask of row 0 may be a padded prompt's (prefill): reset it to the ones the `.pte` starts with.
+            self._run("start", (torch.ones(1, self.capacities["max_cache_len"], dtype=torch.long),))
             self._started["forward"] = (1, None, 0)
         # prefill/decode and forward share row 0: a forward sequence ends a prefill sequence, and the other way round
         self._started.pop("decode", None)
@@ -248,8 +282,10 @@ class ProgramRunner:
     def _check_decoder_only_inputs(self, method_name: str, inputs: tuple[torch.Tensor, ...]) -> None:
         input_ids, attention_mask, position_ids, _ = inputs
         batch_size = input_ids.shape[0]
-        if batch_size < 1:
-            raise ValueError(f"{method_name} needs at least one row")
+        if input_ids.dim() != 2 or batch_size < 1:
+            raise ValueError(
+                f"{method_name} needs input_ids [B, S] with at least one row, got {tuple(input_ids.shape)}"
+            )
         self._fail_over("batch_size", batch_size, "max_batch_size")
         want = (batch_size, self.capacities["max_cache_len"])
         if tuple(attention_mask.shape) != want:
@@ -259,6 +295,16 @@ class ProgramRunner:
             )
         if position_ids.shape != input_ids.shape:
             raise ValueError(f"position_ids {tuple(position_ids.shape)} must have the shape of input_ids")
+
+    @staticmethod
+    def _check_position_ids(method_name, sequence_mask, position_ids, cache_position) -> None:
+        counted = (sequence_mask.cumsum(-1) - 1)[:, cache_position]
+        counted = counted.masked_fill(sequence_mask[:, cache_position] == 0, 0)
+        if not torch.equal(position_ids, counted):
+            raise ValueError(
+                f"position_ids={position_ids.tolist()} are not the mask's: the program counts each row's tokens "
+                f"before a position, as generate does ({counted.tolist()}); pass those"
+            )
 
 
 class ExportedPrograms(ProgramRunner):
@@ -328,8 +374,7 @@ class ExecuTorchPrograms(ProgramRunner):
             encoder_input=encoder_input,
         )
         present = [name for name in self.method_names if name in names]
-        needed = {"encoder", "text_decoder"} if is_encoder_decoder else {"forward"}
-        if not (needed <= set(present) or {"prefill", "decode"} <= set(present)):
+        if set(present) != set(self.method_names):
             raise ValueError(f"{path} has methods {sorted(names)}; write it with to_executorch")
         self._methods = {name: self.program.load_method(name) for name in present}
 
@@ -341,6 +386,4 @@ class ExecuTorchPrograms(ProgramRunner):
         return values[0] if len(values) == 1 else list(values)
 
     def _run(self, method_name: str, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        if method_name not in self._methods:
-            raise ValueError(f"{self.path} was lowered without {method_name}; lower it with that method")
         return self._methods[method_name].execute(list(inputs))[0]

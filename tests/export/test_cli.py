@@ -126,12 +126,12 @@ def test_cli_refuses_a_model_type_that_executorch_does_not_lower_before_loading_
 
 @pytest.mark.slow
 def test_lowering_refuses_and_removes_a_pte_whose_input_bounds_executorch_narrowed(tmp_path, monkeypatch):
-    # Phi3 without its NOT_LOWERABLE entry: ExecuTorch's re-tracing narrows the batch bound of `prefill` (3 -> 2).
+    # Phi3 without its NOT_LOWERABLE entry: ExecuTorch's re-tracing narrows the batch bound of `forward` (3 -> 2).
     monkeypatch.delitem(NOT_LOWERABLE, "phi3")
     _, flex = ONE_LAYER["phi3"].build(seed=1)
     programs = export_model(flex, max_batch_size=3, max_cache_len=16)
     path = tmp_path / "phi3.pte"
-    with pytest.raises(ValueError, match=r"lowered method 'prefill' of this phi3 model with input bounds \[\[2, 16\]"):
+    with pytest.raises(ValueError, match=r"lowered method 'forward' of this phi3 model with input bounds \[\[2, 16\]"):
         lower_to_executorch(programs, path, backend="portable")
     assert not path.exists()
 

@@ -33,13 +33,14 @@ BACKENDS = ("xnnpack", "portable")
 # measured; `lower_to_executorch` refuses them before spending minutes, and the export command before loading.
 NOT_LOWERABLE = {
     "phi3": (
-        "ExecuTorch's re-tracing of its methods narrows the batch bound (max_batch_size=3 became 2) and makes an "
-        "`arange` static, so calls within the capacities fail in the runtime (`set_inputs` error 0x10); measured with "
-        "executorch 1.4.1 on a tiny Phi3"
+        "ExecuTorch's re-tracing of its `forward` method narrows the batch bound (max_batch_size=3 became 2), so calls "
+        "within the capacities would fail in the runtime (`set_inputs` error 0x10); measured with executorch 1.4.1 "
+        "on a tiny Phi3"
     ),
     "gpt2": (
-        "ExecuTorch's ReplaceViewCopyWithViewPass fails on it (\"_ViewSpec is incompatible with its base on creation. "
-        'It has shape_dynamism=0, but its base has shape_dynamism=1"); measured with executorch 1.4.1 on a tiny GPT2'
+        "ExecuTorch's re-tracing of its `forward` method narrows the batch bound (max_batch_size=3 became 2), so calls "
+        "within the capacities would fail in the runtime; measured with executorch 1.4.1 on a tiny GPT2 (with "
+        "three methods its ReplaceViewCopyWithViewPass failed first)"
     ),
 }
 

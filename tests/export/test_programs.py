@@ -262,26 +262,44 @@ def test_llm_runner_forward_after_a_padded_prefill_finds_row_zero_unpadded(llama
     assert torch.equal(torch.cat([prompt, first, second], dim=-1), expected)
 
 
+def _key_consumers(program, buffer_part: str, passes=()) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
+    """(last node of the chain, its consumer) from each key buffer whose name holds `buffer_part`, following
+    single-use views and the ops in `passes` (the consumers, as a list, where there are several)."""
+    buffers = program.graph_signature.inputs_to_buffers
+    views = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default)
+    write = torch.ops.aten.index_put_.default
+    found = []
+    for node in program.graph.nodes:
+        if node.op == "placeholder" and buffer_part in buffers.get(node.name, ""):
+            reached = node
+            while True:  # along the reads (a self-attention buffer is read from its write: index_put_)
+                users = [user for user in reached.users if user.target != torch.ops.aten.sym_size.int]
+                if len(users) != 1 or users[0].target not in (*views, write, *passes):
+                    break
+                reached = users[0]
+            found.append((reached, users[0] if len(users) == 1 else users))
+    return found
+
+
 def test_whisper_text_decoder_reads_its_fixed_length_cross_keys_whole_and_as_the_first_operand_of_bmm(
     whisper_features,
 ):
-    # ExecuTorch copies every slice (reading rows [:B] of the 1500-position buffers would copy them at every step),
-    # and XNNPACK's bmm takes no transposed operand (bmm(query, key^T) would copy every key transposed).
+    # ExecuTorch copies every slice: reading rows [:B] of the 1500-position buffers would copy them at every step.
     _, programs = whisper_features
-    program = programs.programs["text_decoder"]
-    buffers = program.graph_signature.inputs_to_buffers
-    views = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default)
-    keys = [
-        node for node in program.graph.nodes if node.op == "placeholder" and "cross_keys" in buffers.get(node.name, "")
-    ]
-    assert len(keys) == programs.wrapper.num_layers
-    for node in keys:
-        reached = node
-        while len(reached.users) == 1 and next(iter(reached.users)).target in views:
-            reached = next(iter(reached.users))
-        users = list(reached.users)
-        assert [user.target for user in users] == [torch.ops.aten.bmm.default], (node.name, users)
-        assert users[0].args[0] is reached, "the keys are bmm's second operand"
+    consumers = _key_consumers(programs.programs["text_decoder"], "cross_keys")
+    assert len(consumers) == programs.wrapper.num_layers
+    for reached, consumer in consumers:
+        assert consumer.target == torch.ops.aten.bmm.default and consumer.args[0] is reached, consumer
+
+
+def test_decoder_steps_read_cached_keys_as_the_first_operand_of_bmm(t5):
+    # XNNPACK's bmm takes no transposed operand: bmm(query, key^T) would copy every cached key transposed each step.
+    _, programs = t5
+    for part in ("self_keys", "cross_keys"):
+        consumers = _key_consumers(programs.programs["text_decoder"], part, passes=(torch.ops.aten.slice.Tensor,))
+        assert consumers
+        for reached, consumer in consumers:
+            assert consumer.target == torch.ops.aten.bmm.default and consumer.args[0] is reached, (part, consumer)
 
 
 def test_exportable_wrapper_refuses_an_upstream_model_with_the_fix():

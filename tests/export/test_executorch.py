@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.export.conftest import needs_executorch
+from tests.export.conftest import LLAMA_MAX_CACHE_LEN, needs_executorch
 from tests.export.helpers import ONE_LAYER, assert_close_logits, assert_matches_eager_for_every_shape
 from transformers_flexcache.export import ExecuTorchPrograms, export_model
 from transformers_flexcache.export.quantize import quantize_model_
@@ -74,7 +74,8 @@ def test_xnnpack_export_of_each_model_type_generates_eager_tokens(tmp_path, mode
 
     case = ONE_LAYER[model_type]
     upstream, flex = case.build(seed=1)
-    capacity = {"max_batch_size": 3, "max_cache_len": 8}
+    # The CLI test's shapes and capacities: decoder-only prompts of up to 9 tokens need their own positions too.
+    capacity = {"max_batch_size": 3, "max_cache_len": 8 if flex.config.is_encoder_decoder else LLAMA_MAX_CACHE_LEN}
     if flex.config.is_encoder_decoder and model_type != "whisper":
         capacity["max_encoder_len"] = 10
     elif model_type == "whisper":

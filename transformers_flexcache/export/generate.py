@@ -26,7 +26,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from .runners import ProgramRunner
+from .runners import ProgramRunner, counted_position_ids
 
 
 def _warpers(do_sample: bool, temperature: float, top_k: int | None, top_p: float) -> LogitsProcessorList:
@@ -186,20 +186,19 @@ def _decoder_only_steps(runner, input_ids, attention_mask, _):
         attention_mask = torch.ones_like(input_ids)
     full_mask = torch.zeros(batch_size, runner.capacities["max_cache_len"], dtype=torch.long)
     full_mask[:, :prompt_len] = attention_mask
-
-    def position_ids(cache_position):
-        # As generate: positions count each row's tokens so far; padding gets position 0.
-        counted = (full_mask.cumsum(-1) - 1)[:, cache_position]
-        return counted.masked_fill(full_mask[:, cache_position] == 0, 0)
-
+    # Every position's id at once (the positions after the prompt will hold tokens): what the runners check.
+    sequence_mask = full_mask.clone()
+    sequence_mask[:, prompt_len:] = 1
+    position_ids = counted_position_ids(sequence_mask)
     cache_position = torch.arange(prompt_len)
-    logits = runner.prefill(input_ids, full_mask, position_ids(cache_position), cache_position)
+    logits = runner.prefill(input_ids, full_mask, position_ids[:, :prompt_len], cache_position)
     next_tokens = yield input_ids, logits[:, -1]
     position = prompt_len
     while True:
         full_mask[:, position] = 1
-        cache_position = torch.tensor([position])
-        logits = runner.decode(next_tokens[:, None], full_mask, position_ids(cache_position), cache_position)
+        logits = runner.decode(
+            next_tokens[:, None], full_mask, position_ids[:, position : position + 1], torch.tensor([position])
+        )
         position += 1
         next_tokens = yield logits[:, -1]
 

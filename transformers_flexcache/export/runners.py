@@ -33,6 +33,13 @@ def input_names(is_encoder_decoder: bool, encoder_input: str | None, method_name
     return (*step, "encoder_attention_mask") if masked else step
 
 
+def counted_position_ids(sequence_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids of every cache position, as `generate` counts them and a decoder-only `forward` does: each row's
+    ones up to the position, minus one; 0 for padding."""
+    # sequence_mask: [B, L_max] -> [B, L_max]
+    return (sequence_mask.cumsum(-1) - 1).masked_fill(sequence_mask == 0, 0)
+
+
 class ProgramRunner:
     """Checks each call against the capacities and the sequence started, then runs a method. Subclasses say how.
 
@@ -48,7 +55,9 @@ class ProgramRunner:
         self.encoder_input = encoder_input if is_encoder_decoder else None
         # (method that started it, batch, encoder length, next position) of the sequence running, per row group
         self._started: dict[str, tuple[int, int | None, int]] = {}
-        self._sequence_mask: torch.Tensor | None = None  # [B, L_max]: the mask of the decoder-only sequence running
+        # [B, L_max]: the mask of the decoder-only sequence running, and its position ids (counted once)
+        self._sequence_mask: torch.Tensor | None = None
+        self._sequence_positions: torch.Tensor | None = None
 
     @property
     def method_names(self) -> tuple[str, ...]:
@@ -210,11 +219,12 @@ class ProgramRunner:
         self._check_positions("prefill", cache_position, input_ids.shape[1], step=False)
         sequence_mask = attention_mask.clone()
         sequence_mask[:, input_ids.shape[1] :] = 1
-        self._check_position_ids("prefill", sequence_mask, position_ids, cache_position)
+        counted = counted_position_ids(sequence_mask)
+        self._check_position_ids(counted, position_ids, cache_position)
         self._run("start", (sequence_mask,))
         logits = self._run("forward", (input_ids, cache_position))
         self._started["decode"] = (input_ids.shape[0], None, input_ids.shape[1])
-        self._sequence_mask = sequence_mask
+        self._sequence_mask, self._sequence_positions = sequence_mask, counted
         return logits
 
     def decode(self, *inputs: torch.Tensor) -> torch.Tensor:
@@ -241,7 +251,7 @@ class ProgramRunner:
                 "mask of the prompt, and every position written since is a token (1); call prefill to start another "
                 "sequence"
             )
-        self._check_position_ids("decode", self._sequence_mask, position_ids, cache_position)
+        self._check_position_ids(self._sequence_positions, position_ids, cache_position)
         logits = self._run("forward", (input_ids, cache_position))
         self._advance("decode", start)
         return logits
@@ -297,13 +307,12 @@ class ProgramRunner:
             raise ValueError(f"position_ids {tuple(position_ids.shape)} must have the shape of input_ids")
 
     @staticmethod
-    def _check_position_ids(method_name, sequence_mask, position_ids, cache_position) -> None:
-        counted = (sequence_mask.cumsum(-1) - 1)[:, cache_position]
-        counted = counted.masked_fill(sequence_mask[:, cache_position] == 0, 0)
-        if not torch.equal(position_ids, counted):
+    def _check_position_ids(counted: torch.Tensor, position_ids: torch.Tensor, cache_position: torch.Tensor) -> None:
+        want = counted[:, cache_position]
+        if not torch.equal(position_ids, want):
             raise ValueError(
                 f"position_ids={position_ids.tolist()} are not the mask's: the program counts each row's tokens "
-                f"before a position, as generate does ({counted.tolist()}); pass those"
+                f"before a position, as generate does ({want.tolist()}); pass those"
             )
 
 

@@ -82,3 +82,53 @@ def test_xnnpack_export_of_each_model_type_generates_eager_tokens(tmp_path, mode
         capacity["max_encoder_len"] = flex.config.max_source_positions
     runner = _lowered(flex, tmp_path, **capacity)
     assert_matches_eager_for_every_shape(runner, upstream, case, CLI_SHAPES[model_type], seed=4)
+
+
+@pytest.mark.parametrize(
+    "model_type, mode",
+    [
+        ("llama", "none"),
+        pytest.param("llama", "8da4w", marks=pytest.mark.slow),
+        pytest.param("t5", "none", marks=pytest.mark.slow),
+        pytest.param("bart", "none", marks=pytest.mark.slow),
+    ],
+)
+def test_one_decomposition_per_method_writes_the_program_of_to_edge_transform_and_lower(
+    tmp_path, monkeypatch, model_type, mode
+):
+    from transformers_flexcache.export import lowering
+
+    case = ONE_LAYER[model_type]
+    _, flex = case.build(seed=1)
+    if mode != "none":
+        quantize_model_(flex, mode)
+    capacity = {"max_batch_size": 3, "max_cache_len": 8}
+    if flex.config.is_encoder_decoder:
+        capacity["max_encoder_len"] = 10
+    # Each lowering gets programs of its own (ExecuTorch's passes consume a program's constants).
+    ours = export_model(flex, **capacity).to_executorch(tmp_path / "ours.pte", backend="xnnpack")
+    monkeypatch.setattr(lowering, "_ops_taken_whole", lambda programs, partitioner: None)
+    theirs = export_model(flex, **capacity).to_executorch(tmp_path / "theirs.pte", backend="xnnpack")
+    with open(ours, "rb") as file:
+        ours_bytes = file.read()
+    with open(theirs, "rb") as file:
+        assert ours_bytes == file.read()
+
+
+def test_a_linear_that_xnnpack_refuses_sends_the_lowering_through_to_edge_transform_and_lower():
+    from torch.nn import functional as F
+
+    from transformers_flexcache.export import lowering
+
+    class WeightAsInput(torch.nn.Module):
+        def forward(self, x, weight):
+            return F.linear(x, weight)
+
+    class WeightAsParameter(torch.nn.Linear):
+        pass
+
+    partitioner = lowering._partitioners("xnnpack")[0]
+    refused = torch.export.export(WeightAsInput(), (torch.randn(2, 4), torch.randn(3, 4)))
+    taken = torch.export.export(WeightAsParameter(4, 3), (torch.randn(2, 4),))
+    assert lowering._ops_taken_whole({"forward": taken}, partitioner) == [torch.ops.aten.linear.default]
+    assert lowering._ops_taken_whole({"forward": refused, "other": taken}, partitioner) is None

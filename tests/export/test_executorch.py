@@ -132,3 +132,29 @@ def test_a_linear_that_xnnpack_refuses_sends_the_lowering_through_to_edge_transf
     taken = torch.export.export(WeightAsParameter(4, 3), (torch.randn(2, 4),))
     assert lowering._ops_taken_whole({"forward": taken}, partitioner) == [torch.ops.aten.linear.default]
     assert lowering._ops_taken_whole({"forward": refused, "other": taken}, partitioner) is None
+
+
+def test_matmuls_marked_for_executorch_s_kernels_stay_out_of_xnnpack_and_compute_the_same():
+    from executorch.exir import to_edge_transform_and_lower
+
+    from transformers_flexcache.export import lowering
+    from transformers_flexcache.export.rewrites import KERNEL_BMM
+
+    class Attention(torch.nn.Module):
+        def forward(self, key, query):
+            with torch.fx.traceback.annotate({KERNEL_BMM: True}):
+                marked = torch.bmm(key, query.transpose(1, 2))
+            return torch.bmm(key, query.transpose(1, 2)) + marked
+
+    inputs = (torch.randn(2, 30, 4), torch.randn(2, 1, 4))
+    with torch.fx.traceback.preserve_node_meta():
+        exported = torch.export.export(Attention(), inputs)
+    edge = to_edge_transform_and_lower(exported, partitioner=lowering._partitioners("xnnpack"))
+    nodes = [str(node.target) for node in edge.exported_program().graph.nodes if node.op == "call_function"]
+    assert sum("call_delegate" in target for target in nodes) >= 1
+    assert sum("aten.bmm" in target for target in nodes) == 1  # the marked one, outside the delegate
+    program = edge.to_executorch()
+    from executorch.runtime import Runtime
+
+    method = Runtime.get().load_program(program.buffer).load_method("forward")
+    torch.testing.assert_close(method.execute(list(inputs))[0], Attention()(*inputs))

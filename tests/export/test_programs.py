@@ -48,6 +48,7 @@ from transformers_flexcache.export import (
     generate,
     greedy_generate,
 )
+from transformers_flexcache.export.rewrites import KERNEL_BMM
 
 # Whisper's log-mel features always give max_source_positions encoder positions: only the batch varies.
 WHISPER_FEATURE_SHAPES = [(4, WHISPER_MAX_SOURCE_POSITIONS), (1, WHISPER_MAX_SOURCE_POSITIONS)]
@@ -290,6 +291,26 @@ def test_whisper_text_decoder_reads_its_fixed_length_cross_keys_whole_and_as_the
     assert len(consumers) == programs.wrapper.num_layers
     for reached, consumer in consumers:
         assert consumer.target == torch.ops.aten.bmm.default and consumer.args[0] is reached, consumer
+
+
+def test_only_the_matmuls_over_whisper_s_whole_cross_buffers_are_marked_for_executorch_s_kernels(whisper_features, t5):
+    # XNNPACK's bmm is 2-3x slower than ExecuTorch's kernel over 1500 positions (rewrites.py); marked ones stay out.
+    def marked(node) -> bool:
+        return bool(node.meta.get("custom", {}).get(KERNEL_BMM))
+
+    whisper = whisper_features[1].programs["text_decoder"]
+    over_cross = {
+        consumer
+        for part in ("cross_keys", "cross_values")
+        for _, consumer in _key_consumers(whisper, part)
+        if consumer.target == torch.ops.aten.bmm.default
+    }
+    assert len(over_cross) == 2 * whisper_features[1].wrapper.num_layers
+    bmms = [node for node in whisper.graph.nodes if node.target == torch.ops.aten.bmm.default]
+    assert {node for node in bmms if marked(node)} == over_cross
+    assert len(bmms) > len(over_cross)  # the self-attention's stay with XNNPACK
+    for program in t5[1].programs.values():  # keys of at most the capacities: all with XNNPACK
+        assert not any(marked(node) for node in program.graph.nodes)
 
 
 def test_decoder_steps_read_cached_keys_as_the_first_operand_of_bmm(t5):

@@ -153,9 +153,19 @@ def program_metadata(runner) -> dict:
 
 
 def _partitioners(backend: str) -> list:
+    from executorch.backends.xnnpack.partition.config import ALL_PARTITIONER_CONFIGS
+    from executorch.backends.xnnpack.partition.config.generic_node_configs import BMMConfig
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 
-    return [XnnpackPartitioner()]
+    from .rewrites import KERNEL_BMM
+
+    class KernelBMMConfig(BMMConfig):
+        # The batched matmuls marked `KERNEL_BMM` stay with ExecuTorch's kernels
+        def check_constraints(self, node, ep) -> bool:
+            return not node.meta.get("custom", {}).get(KERNEL_BMM, False) and super().check_constraints(node, ep)
+
+    configs = [KernelBMMConfig if config is BMMConfig else config for config in ALL_PARTITIONER_CONFIGS]
+    return [XnnpackPartitioner(configs=configs)]
 
 
 def check_backend(backend: str) -> None:

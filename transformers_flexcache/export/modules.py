@@ -472,7 +472,8 @@ def export_programs(wrapper: _ExportableBase) -> dict[str, ExportedProgram]:
         `{method name: ExportedProgram}`; their buffers are `wrapper`'s.
     """
     programs = {}
-    with torch.no_grad(), export_friendly(wrapper.model):
+    # `preserve_node_meta`: the meta that the rewrites set (`rewrites.KERNEL_BMM`) reaches the programs' nodes.
+    with torch.no_grad(), export_friendly(wrapper.model), torch.fx.traceback.preserve_node_meta():
         for name, (inputs, dynamic_shapes) in example_inputs(wrapper).items():
             programs[name] = torch.export.export(
                 _Method(wrapper, name), inputs, dynamic_shapes=(dynamic_shapes,), strict=False

@@ -1,8 +1,8 @@
 """Lowering exported programs into one ExecuTorch `.pte`: partitioning, memory planning, metadata methods.
 
 Design decisions:
-- All methods go through one `to_edge_transform_and_lower` call and one `to_executorch`, so that memory planning
-  sees them together: `MemoryPlanningPass(share_mutable_buffers=True)` gives each cache buffer one allocation,
+- All methods are lowered together (one edge program manager) and go through one `to_executorch`, so that memory
+  planning sees them together: `MemoryPlanningPass(share_mutable_buffers=True)` gives each cache buffer one allocation,
   shared by every method (matched by buffer name), which persists between calls.
 - `run_reinplace_pass=True`: the cache writes are functional `index_put`s after export; ExecuTorch turns them back
   into in-place writes of the shared buffer (no copy of the buffer per layer and step).
@@ -14,7 +14,7 @@ Design decisions:
   refuses), which is 40% of bart-base's lowering. When XNNPACK takes every kept node, both give the same program,
   byte for byte (tested); quantized programs are functionalized first (XNNPACK's checks do not see through the
   weights' tensor subclasses before); where XNNPACK would refuse a node, the lowering goes through
-  `to_edge_transform_and_lower`, which decides node by node. bart-base: 130 CPU s against 164.
+  `to_edge_transform_and_lower`, which decides node by node. bart-base: 130 CPU s against 164 (docs/export.md).
 - No edge transform passes: each would cost a verification of every method (seconds per method at real sizes). The
   graph rewrites that XNNPACK needs are done on the ATen programs at export (`rewrites.py`).
 - The wrapper's `initialized_buffers` (the decoder-only `sequence_mask`, all ones) are written into the `.pte` with

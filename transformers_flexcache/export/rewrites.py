@@ -21,8 +21,9 @@ refusal splits the layer into several partitions (t5-small lowered into 283 part
   matmul tiles its second operand's columns (one query row here: most of each tile is wasted) or packs a dynamic
   second operand at every call; measured at 12 batch-heads x 1500 keys x 64, one thread: scores 2.6 ms in XNNPACK
   against 1.2 in ExecuTorch's kernel (eager torch 1.1), weights x values 2.6 against 1.0 (eager 0.5). whisper-tiny's
-  decode step: 1.10-1.27x eager's before, 0.92-1.00x after (docs/export.md). Elsewhere (keys of at most the capacities, shorter) the
-  matmuls stay in XNNPACK: each one outside splits a partition, and lowering time grows with partitions.
+  decode step: 1.10-1.27x eager's before, 0.92-1.00x after (docs/export.md). Elsewhere (keys of at most the
+  capacities, shorter) the matmuls stay in XNNPACK: each one outside splits a partition, and lowering time grows
+  with partitions.
 - views whose shape holds a symbolic size (any dynamic dimension) and no-op `expand`s: `infer_symbolic_view_dims`
   writes the single symbolic size of a view as `-1`, which XNNPACK's reshape infers, and drops `expand`s that change
   no size.

@@ -12,7 +12,9 @@ without a copy of their own: `class FlexMarianAttention(FlexBartAttentionMixin, 
 What needs no change:
 - Self-attention only calls `update`, which returns views of the live batch and length.
 - Learned positions: `BartDecoder.forward` takes them from `cache.get_seq_length()`, which for our cache is the
-  live decoder length (a Python int), so positions are `arange(S) + L` exactly as with a DynamicCache.
+  live decoder length (a Python int), so positions are `arange(S) + L` exactly as with a DynamicCache. For the
+  serving engine, whose rows each have their own length, the seat cache answers `[B, 1]`, so the decoder's position
+  ids are `[B, S]`; `FlexBartLearnedPositionalEmbedding` then looks them up as they are (upstream's takes `[S]`).
 - Masks: the causal mask is sized by `get_mask_sizes` (live length), and the cross-attention mask is built by
   `create_bidirectional_mask` from the encoder mask and `encoder_hidden_states` of this call, so it covers exactly
   the live encoder length, padded rows included, which is the length `get_kv` returns.
@@ -22,15 +24,17 @@ Shapes: `B` live batch, `S` new decoder tokens, `L_enc` live encoder length, `H`
 
 from __future__ import annotations
 
+from torch import nn
 from transformers import GenerationMixin
 from transformers.models.bart.modeling_bart import (
     ALL_ATTENTION_FUNCTIONS,
     BartAttention,
     BartForConditionalGeneration,
+    BartLearnedPositionalEmbedding,
     eager_attention_forward,
 )
 
-from transformers_flexcache.cache import FlexibleEncoderDecoderCache
+from transformers_flexcache.cache import has_cross_attention_kv
 from transformers_flexcache.modeling import FlexModelMixin
 
 
@@ -52,12 +56,12 @@ class FlexBartAttentionMixin:
     def forward(self, hidden_states, key_value_states=None, cache=None, attention_mask=None, **kwargs):
         """Derived from `transformers.models.bart.modeling_bart.BartAttention.forward` (transformers==5.24.0).
 
-        Differences: with a `FlexibleEncoderDecoderCache`, cross-attention keys and values are written with
+        Differences: with a `FlexibleEncoderDecoderCache` (or the serving engine's seat cache), cross-attention keys and values are written with
         `cross_attention_cache.update` on the first decoder step and read with `cross_attention_cache.get_kv`
         afterwards. Self-attention, encoder attention and any other cache go to upstream's forward unchanged.
         """
         # hidden_states: [B, S, d_model], key_value_states: [B, L_enc, d_model] -> [B, S, d_model], weights
-        if key_value_states is None or not isinstance(cache, FlexibleEncoderDecoderCache):
+        if key_value_states is None or not has_cross_attention_kv(cache):
             return super().forward(hidden_states, key_value_states, cache, attention_mask, **kwargs)
 
         input_shape = hidden_states.shape[:-1]
@@ -87,10 +91,32 @@ class FlexBartAttention(FlexBartAttentionMixin, BartAttention):
     """`BartAttention` with cross-attention keys and values through the cache's accessors (`FlexBartAttentionMixin`)."""
 
 
+class FlexLearnedPositionsMixin:
+    """Per-row positions for BART's learned positional embedding and its copies (mBART)."""
+
+    def forward(self, input_ids, cache_length=0, position_ids=None):
+        """Wraps `transformers.models.bart.modeling_bart.BartLearnedPositionalEmbedding.forward` (transformers==5.24.0).
+
+        Differences: `position_ids` of shape `[B, S]` (each row its own positions: the serving engine's decode step)
+        are looked up as they are; upstream's takes `[S]` and adds a batch axis. Otherwise upstream's.
+        """
+        # position_ids: [B, S] -> [B, S, d]
+        if position_ids is not None and position_ids.dim() == 2:
+            return nn.Embedding.forward(self, position_ids + self.offset)
+        return super().forward(input_ids, cache_length, position_ids)
+
+
+class FlexBartLearnedPositionalEmbedding(FlexLearnedPositionsMixin, BartLearnedPositionalEmbedding):
+    """`BartLearnedPositionalEmbedding` that also takes per-row positions (`FlexLearnedPositionsMixin`)."""
+
+
 class FlexBartForConditionalGeneration(FlexModelMixin, BartForConditionalGeneration, GenerationMixin):
     """`BartForConditionalGeneration` with cross-attention through `get_kv`, and `flexible_static` in generate."""
 
-    _flex_module_classes = {BartAttention: FlexBartAttention}
+    _flex_module_classes = {
+        BartAttention: FlexBartAttention,
+        BartLearnedPositionalEmbedding: FlexBartLearnedPositionalEmbedding,
+    }
 
 
 FLEX_MODEL_CLASSES = [FlexBartForConditionalGeneration]

@@ -5,8 +5,11 @@ transformers.models.bart.modeling_bart.BartAttention with Bart->MBart"): it read
 the cross-attention layers' `keys`/`values`. `FlexMBartAttention` takes BART's override of that forward
 (`model_overrides/bart.py`) instead of a copy of its own.
 
-What needs no change: learned positions are `arange(S) + cache.get_seq_length()` (`MBartDecoder.forward`), the live
-decoder length; the causal mask is sized by `get_mask_sizes`; the cross-attention mask is built from this call's
+Learned positions are `arange(S) + cache.get_seq_length()` (`MBartDecoder.forward`), the live decoder length; for the
+serving engine's per-row lengths they are `[B, S]`, which `FlexMBartLearnedPositionalEmbedding` takes (BART's
+`FlexLearnedPositionsMixin`; upstream's embedding is a copy of BART's).
+
+What needs no change: the causal mask is sized by `get_mask_sizes`; the cross-attention mask is built from this call's
 encoder mask and output, so it spans the live encoder length that `get_kv` returns. mBART's pre-layer norms and its
 extra final layer norms do not touch the cache.
 """
@@ -15,9 +18,13 @@ from __future__ import annotations
 
 from transformers import GenerationMixin
 from transformers.models.mbart import modeling_mbart
-from transformers.models.mbart.modeling_mbart import MBartAttention, MBartForConditionalGeneration
+from transformers.models.mbart.modeling_mbart import (
+    MBartAttention,
+    MBartForConditionalGeneration,
+    MBartLearnedPositionalEmbedding,
+)
 
-from model_overrides.bart import FlexBartAttentionMixin
+from model_overrides.bart import FlexBartAttentionMixin, FlexLearnedPositionsMixin
 from transformers_flexcache.modeling import FlexModelMixin
 
 
@@ -32,10 +39,18 @@ class FlexMBartAttention(FlexBartAttentionMixin, MBartAttention):
     _flex_eager_attention_forward = staticmethod(modeling_mbart.eager_attention_forward)
 
 
+class FlexMBartLearnedPositionalEmbedding(FlexLearnedPositionsMixin, MBartLearnedPositionalEmbedding):
+    """Derived from `transformers.models.mbart.modeling_mbart.MBartLearnedPositionalEmbedding.forward`
+    (transformers==5.24.0), a copy of BART's: per-row positions `[B, S]`, as `FlexLearnedPositionsMixin.forward`."""
+
+
 class FlexMBartForConditionalGeneration(FlexModelMixin, MBartForConditionalGeneration, GenerationMixin):
     """`MBartForConditionalGeneration` with cross-attention through `get_kv`, and `flexible_static` in generate."""
 
-    _flex_module_classes = {MBartAttention: FlexMBartAttention}
+    _flex_module_classes = {
+        MBartAttention: FlexMBartAttention,
+        MBartLearnedPositionalEmbedding: FlexMBartLearnedPositionalEmbedding,
+    }
 
 
 FLEX_MODEL_CLASSES = [FlexMBartForConditionalGeneration]

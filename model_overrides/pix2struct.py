@@ -35,12 +35,24 @@ from transformers.models.pix2struct.modeling_pix2struct import (
     eager_attention_forward,
 )
 
-from transformers_flexcache.cache import FlexibleEncoderDecoderCache
+from model_overrides.t5 import per_row_relative_bias
+from transformers_flexcache.cache import has_cross_attention_kv
 from transformers_flexcache.modeling import FlexModelMixin
 from transformers_flexcache.request import FLEXIBLE_STATIC, asks_for_flexible
 
 
 class FlexPix2StructTextAttention(Pix2StructTextAttention):
+    def compute_bias(self, query_length, key_length, device=None, past_seen_tokens=0):
+        """Wraps `Pix2StructTextAttention.compute_bias` (transformers==5.24.0).
+
+        Differences: `past_seen_tokens` may be a `[B, 1]` tensor of per-row lengths (the serving engine's seat cache
+        in a decode step); the bias is then `[B, H, S, L]`, as for T5 (`per_row_relative_bias`). The text decoder's
+        buckets are unidirectional, as upstream's. Otherwise it is upstream's.
+        """
+        if isinstance(past_seen_tokens, torch.Tensor) and past_seen_tokens.dim() == 2:
+            return per_row_relative_bias(self, query_length, key_length, device, past_seen_tokens)
+        return super().compute_bias(query_length, key_length, device, past_seen_tokens)
+
     def _flex_project_kv(self, key_value_states):
         # key_value_states: [B, L_enc, hidden] -> 2 x [B, H, L_enc, D], as upstream projects them
         kv_shape = (*key_value_states.shape[:-1], -1, self.key_value_proj_dim)
@@ -51,13 +63,13 @@ class FlexPix2StructTextAttention(Pix2StructTextAttention):
         """Derived from `transformers.models.pix2struct.modeling_pix2struct.Pix2StructTextAttention.forward`
         (transformers==5.24.0).
 
-        Differences: with a `FlexibleEncoderDecoderCache`, cross-attention keys and values are written with
+        Differences: with a `FlexibleEncoderDecoderCache` (or the serving engine's seat cache), cross-attention keys and values are written with
         `cross_attention_cache.update` on the first decoder step and read with `cross_attention_cache.get_kv`
         afterwards. Self-attention, and any other cache, go to upstream's forward unchanged. Cross-attention layers
         have no relative attention bias, so the upstream lines for it are left out.
         """
         # hidden_states: [B, S, hidden], key_value_states: [B, L_enc, hidden] -> [B, S, hidden], bias, weights
-        if key_value_states is None or not isinstance(cache, FlexibleEncoderDecoderCache):
+        if key_value_states is None or not has_cross_attention_kv(cache):
             return super().forward(hidden_states, mask, key_value_states, position_bias, cache, **kwargs)
 
         input_shape = hidden_states.shape[:-1]

@@ -5,10 +5,14 @@ cache's per-layer `is_updated` flag and the `keys`/`values` attributes of the cr
 With a cache that is larger than the call, those tensors would be the whole storage. Here the cross-attention path
 asks the cache for exactly the rows and encoder positions that the current call wrote. Self-attention, the relative
 position bias (from `get_seq_length()`) and the masks need no change: the cache answers them for the live batch and
-length, so the cross-attention mask built from the encoder mask covers exactly the live encoder length."""
+length, so the cross-attention mask built from the encoder mask covers exactly the live encoder length.
+
+For the serving engine, whose rows each have a length of their own, `compute_bias` also takes those lengths as a
+`[B, 1]` tensor (what its seat cache's `get_seq_length()` answers in a decode step) and returns one bias per row."""
 
 from __future__ import annotations
 
+import torch
 from transformers import GenerationMixin
 from transformers.models.t5.modeling_t5 import (
     ALL_ATTENTION_FUNCTIONS,
@@ -17,11 +21,44 @@ from transformers.models.t5.modeling_t5 import (
     eager_attention_forward,
 )
 
-from transformers_flexcache.cache import FlexibleEncoderDecoderCache
+from transformers_flexcache.cache import has_cross_attention_kv
 from transformers_flexcache.modeling import FlexModelMixin
 
 
+def per_row_relative_bias(attention, query_length: int, key_length: int, device, past_seen_tokens: torch.Tensor):
+    """T5's relative position bias for rows that each start at their own position, `[B, H, S, L]`.
+
+    Derived from `transformers.models.t5.modeling_t5.T5Attention.compute_bias` (transformers==5.24.0), which takes one
+    past length for the whole batch. Differences: `past_seen_tokens` is `[B, 1]`, so that query position `i` of row
+    `b` is `past_seen_tokens[b] + i`; the buckets and the embedding are upstream's. Pix2Struct's text attention
+    (a copy of T5's) uses it too.
+    """
+    # past_seen_tokens: [B, 1] -> [B, H, S, L]
+    if device is None:
+        device = attention.relative_attention_bias.weight.device
+    context_position = torch.arange(query_length, dtype=torch.long, device=device)[None, :, None]
+    context_position = context_position + past_seen_tokens.to(device)[:, :, None]  # [B, S, 1]
+    memory_position = torch.arange(key_length, dtype=torch.long, device=device)[None, None, :]  # [1, 1, L]
+    relative_position_bucket = attention._relative_position_bucket(
+        memory_position - context_position,  # [B, S, L]
+        bidirectional=not getattr(attention, "is_decoder", True),
+        num_buckets=attention.relative_attention_num_buckets,
+        max_distance=attention.relative_attention_max_distance,
+    )
+    return attention.relative_attention_bias(relative_position_bucket).permute(0, 3, 1, 2)  # [B, H, S, L]
+
+
 class FlexT5Attention(T5Attention):
+    def compute_bias(self, query_length, key_length, device=None, past_seen_tokens=0):
+        """Wraps `T5Attention.compute_bias` (transformers==5.24.0).
+
+        Differences: `past_seen_tokens` may be a `[B, 1]` tensor of per-row lengths (the serving engine's seat cache
+        in a decode step); the bias is then `[B, H, S, L]` (`per_row_relative_bias`). Otherwise it is upstream's.
+        """
+        if isinstance(past_seen_tokens, torch.Tensor) and past_seen_tokens.dim() == 2:
+            return per_row_relative_bias(self, query_length, key_length, device, past_seen_tokens)
+        return super().compute_bias(query_length, key_length, device, past_seen_tokens)
+
     def _flex_project_kv(self, key_value_states):
         # key_value_states: [B, L_enc, d_model] -> 2 x [B, H, L_enc, D], as upstream projects them
         kv_shape = (*key_value_states.shape[:-1], -1, self.key_value_proj_dim)
@@ -31,13 +68,13 @@ class FlexT5Attention(T5Attention):
     def forward(self, hidden_states, mask=None, key_value_states=None, position_bias=None, cache=None, **kwargs):
         """Derived from `transformers.models.t5.modeling_t5.T5Attention.forward` (transformers==5.24.0).
 
-        Differences: with a `FlexibleEncoderDecoderCache`, cross-attention keys and values are written with
+        Differences: with a `FlexibleEncoderDecoderCache` (or the serving engine's seat cache), cross-attention keys and values are written with
         `cross_attention_cache.update` on the first decoder step and read with `cross_attention_cache.get_kv`
         afterwards. Self-attention, and any other cache, go to upstream's forward unchanged. Cross-attention has no
         relative attention bias in T5, so the upstream lines for it are left out.
         """
         # hidden_states: [B, S, d_model], key_value_states: [B, L_enc, d_model] -> [B, S, d_model]
-        if key_value_states is None or not isinstance(cache, FlexibleEncoderDecoderCache):
+        if key_value_states is None or not has_cross_attention_kv(cache):
             return super().forward(hidden_states, mask, key_value_states, position_bias, cache, **kwargs)
 
         input_shape = hidden_states.shape[:-1]

@@ -51,9 +51,10 @@ from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from transformers_flexcache.cache import FlexibleEncoderDecoderCache
+from transformers_flexcache.cache import FlexibleEncoderDecoderCache, has_cross_attention_kv
 from transformers_flexcache.generation import FlexCacheInnerGenerateMixin
 from transformers_flexcache.modeling import FlexModelMixin
+from transformers_flexcache.serving.worker import RequestSeats
 
 
 class FlexWhisperAttention(WhisperAttention):
@@ -68,12 +69,12 @@ class FlexWhisperAttention(WhisperAttention):
     ):
         """Derived from `transformers.models.whisper.modeling_whisper.WhisperAttention.forward` (transformers==5.24.0).
 
-        Differences: with a `FlexibleEncoderDecoderCache`, cross-attention keys and values are written with
+        Differences: with a `FlexibleEncoderDecoderCache` (or the serving engine's seat cache), cross-attention keys and values are written with
         `cross_attention_cache.update` on the first decoder step and read with `cross_attention_cache.get_kv`
         afterwards. Self-attention, encoder attention and any other cache go to upstream's forward unchanged.
         """
         # hidden_states: [B, S, d], key_value_states: [B, L_enc, d] -> ([B, S, d], attention weights or None)
-        if key_value_states is None or not isinstance(cache, FlexibleEncoderDecoderCache):
+        if key_value_states is None or not has_cross_attention_kv(cache):
             return super().forward(
                 hidden_states,
                 key_value_states=key_value_states,
@@ -281,17 +282,23 @@ class FlexWhisperForConditionalGeneration(
         """Wraps `WhisperGenerationMixin._postprocess_outputs` (transformers==5.24.0).
 
         Differences: a flexible cache in the outputs is not copied row by row to the CPU (upstream splits every output
-        per row, the cache included, to stack them back later). Each row keeps a reference to the cache instead, and
+        per row, the cache included, to stack them back later), and a serving engine request's cache is dropped (its
+        seats serve other requests once it ends). Each row keeps a reference to the cache instead, and
         `_stack_split_outputs` returns the cache itself when its rows are the call's rows in order. If a later call of
         the same generate (a temperature fallback) is about to reuse that storage, the rows are copied first, as
         upstream copies them.
         """
         cache = seek_outputs.get("cache") if isinstance(seek_outputs, ModelOutput) else None
-        if not isinstance(cache, FlexibleEncoderDecoderCache):
+        if not isinstance(cache, (FlexibleEncoderDecoderCache, RequestSeats)):
             return super()._postprocess_outputs(
                 seek_outputs, decoder_input_ids, return_token_timestamps, generation_config, **kwargs
             )
         without_cache = type(seek_outputs)(**{key: value for key, value in seek_outputs.items() if key != "cache"})
+        if isinstance(cache, RequestSeats):
+            # flexcache: a serving engine's request holds no rows of its own to keep (its seats serve others next)
+            return super()._postprocess_outputs(
+                without_cache, decoder_input_ids, return_token_timestamps, generation_config, **kwargs
+            )
         sequences, rows = super()._postprocess_outputs(
             without_cache, decoder_input_ids, return_token_timestamps, generation_config, **kwargs
         )

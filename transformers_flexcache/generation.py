@@ -16,6 +16,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import inspect
 import threading
 import weakref
 
@@ -35,6 +36,7 @@ from .request import (
     requested_cache_config,
     without_request,
 )
+from .serving import context as serving_context
 
 _last_cache = threading.local()
 
@@ -58,6 +60,9 @@ class FlexCacheGenerationMixin(FixedShapeMasksMixin):
     _flex_encoder_mask_key = "attention_mask"
 
     def generate(self, *args, **kwargs):
+        if serving_context.current_request() is not None:
+            # A request of the serving engine: its cache and model calls go to the engine, at the request's own shapes.
+            return super().generate(*args, **kwargs)
         with call_scope():
             if isinstance(self, FlexCacheInnerGenerateMixin):
                 # The model's own generate (Whisper's) runs at the call's batch; each call it makes to upstream's
@@ -159,8 +164,14 @@ class FlexCacheGenerationMixin(FixedShapeMasksMixin):
 
         Differences: `cache_implementation="flexible_static"` leases a cache of the model's pool, reserved for what
         the call needs, instead of building a new cache; a flexible cache passed as `past_key_values` is leased as it
-        is (a continuation) and reserved for the call. Every other case goes to upstream unchanged.
+        is (a continuation) and reserved for the call; a request of the serving engine gets its seats of the engine's
+        cache (`RequestSeats`). Every other case goes to upstream unchanged.
         """
+        request = serving_context.current_request()
+        if request is not None:
+            # flexcache: a request of the serving engine runs on its seats of the engine's cache.
+            model_kwargs["cache"] = request.open_session(generation_config, model_kwargs, batch_size, max_cache_length)
+            return
         config = requested_cache_config(generation_config)
         given = model_kwargs.get("cache")
         if config is None and not is_flexible_cache(given):
@@ -200,6 +211,39 @@ class FlexCacheGenerationMixin(FixedShapeMasksMixin):
         if generation_config.is_assistant:
             lease.cache.activate_past_recording()
 
+    def _prepare_text_encoder_decoder_kwargs_for_generation(
+        self, inputs_tensor, model_kwargs: dict, model_input_name, generation_config
+    ) -> dict:
+        """Derived from `GenerationMixin._prepare_text_encoder_decoder_kwargs_for_generation` (transformers==5.24.0).
+
+        Differences: in a request of the serving engine, the encoder runs in the engine's next batched encoder call
+        (with the other requests admitted at that step) instead of here; its kwargs are upstream's. Otherwise the
+        method is upstream's.
+        """
+        request = serving_context.current_request()
+        if request is None:
+            return super()._prepare_text_encoder_decoder_kwargs_for_generation(
+                inputs_tensor, model_kwargs, model_input_name, generation_config
+            )
+        encoder = self.get_encoder()
+        irrelevant_prefix = ["decoder_", "cross_attn", "use_cache", "cache"]
+        encoder_kwargs = {
+            argument: value
+            for argument, value in model_kwargs.items()
+            if not any(argument.startswith(prefix) for prefix in irrelevant_prefix)
+        }
+        encoder_signature = set(inspect.signature(encoder.forward).parameters)
+        if "kwargs" not in encoder_signature and "model_kwargs" not in encoder_signature:
+            encoder_kwargs = {
+                argument: value for argument, value in encoder_kwargs.items() if argument in encoder_signature
+            }
+        encoder_kwargs["output_attentions"] = generation_config.output_attentions
+        encoder_kwargs["output_hidden_states"] = generation_config.output_hidden_states
+        encoder_kwargs["return_dict"] = True
+        encoder_kwargs[model_input_name if model_input_name is not None else self.main_input_name] = inputs_tensor
+        model_kwargs["encoder_outputs"] = request.encode(encoder_kwargs)  # flexcache: batched by the engine
+        return model_kwargs
+
 
 class FlexCacheInnerGenerateMixin(GenerationMixin):
     """For models whose own `generate` calls upstream's `GenerationMixin.generate` on batches of its own (Whisper's
@@ -214,6 +258,8 @@ class FlexCacheInnerGenerateMixin(GenerationMixin):
     """
 
     def generate(self, *args, **kwargs):
+        if serving_context.current_request() is not None:
+            return super().generate(*args, **kwargs)
         with call_scope():
             output = policy_for(self, args, kwargs).generate(self, super().generate, args, kwargs)
             # The model's generate usually returns this cache (Whisper's does when its rows are the call's rows).

@@ -22,6 +22,7 @@ from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
 from .auto_classes import auto_map_for, write_remote_code_module
 from .generation import FlexCacheGenerationMixin
 from .request import normalize_saved_form
+from .serving.worker import RequestSeats
 
 
 def swap_module_classes(model: nn.Module, module_classes: dict[type, type]) -> int:
@@ -51,6 +52,17 @@ class FlexModelMixin(FlexCacheGenerationMixin):
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
         swap_module_classes(self, self._flex_module_classes)
+
+    def __call__(self, *args, **kwargs):
+        """`nn.Module.__call__`, except for a model call of a serving engine's request (`cache` is its
+        `RequestSeats`): that call runs in the engine's next batched step, which returns this request's outputs.
+
+        Intercepting the call, not `forward`, leaves `forward`'s signature to upstream, which `generate` inspects.
+        """
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if isinstance(cache, RequestSeats):
+            return cache.forward(kwargs)
+        return super().__call__(*args, **kwargs)
 
     @classmethod
     def flex_upstream_class(cls) -> type:

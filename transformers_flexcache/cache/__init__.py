@@ -10,6 +10,7 @@ Layout (one job per file):
   tensor-parallel heads, dtypes).
 - `containers.py`: the self-attention, cross-attention and encoder-decoder caches, which alone decide capacity and
   growth.
+- `seats.py`: the serving engine's seat caches, each row ("seat") with a length of its own.
 - `buffer_views.py`: caches over an export wrapper's buffers, built for one call of an exported program (used by
   `transformers_flexcache.export` only).
 """
@@ -25,6 +26,7 @@ from .containers import (
 from .layers import FlexiblePaddedLayer, FlexibleStaticLayer, LayerSpec
 from .linear_attention import FlexibleLinearAttentionLayer, FlexiblePaddedLinearAttentionLayer
 from .placement import layer_specs_for_model
+from .seats import FlexibleSeatCache, FlexibleSeatEncoderDecoderCache
 from .sliding import FlexiblePaddedSlidingWindowLayer, FlexibleSlidingWindowLayer
 from .specs import layer_specs_from_config
 
@@ -36,14 +38,23 @@ __all__ = [
     "FlexiblePaddedLayer",
     "FlexiblePaddedLinearAttentionLayer",
     "FlexiblePaddedSlidingWindowLayer",
+    "FlexibleSeatCache",
+    "FlexibleSeatEncoderDecoderCache",
     "FlexibleSlidingWindowLayer",
     "FlexibleStaticCache",
     "FlexibleStaticLayer",
     "LayerSpec",
     "Overflow",
+    "has_cross_attention_kv",
     "is_flexible_cache",
     "layer_specs_for_model",
     "layer_specs_from_config",
     "overflow_message",
     "plan_capacities",
 ]
+
+
+def has_cross_attention_kv(cache) -> bool:
+    """Whether `cache` answers `cross_attention_kv` (the encoder-decoder caches of this package): the overrides then
+    read cross-attention keys and values through it instead of upstream's `is_updated` flags."""
+    return isinstance(cache, (FlexibleEncoderDecoderCache, FlexibleSeatEncoderDecoderCache))

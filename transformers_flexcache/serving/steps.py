@@ -1,0 +1,308 @@
+"""The engine's batched model work: encoders of newly admitted requests, their prefills, and the decode step.
+
+Shape legend: `A` rows admitted together, `P` their (right-padded) decoder prompt length, `E` their encoder length,
+`B` the decode step's span of seats, `W` its attended decoder columns, `E_W` its attended encoder positions, `V`
+vocabulary, `d` hidden size.
+
+Each function takes the pending calls of several workers and returns, per worker, `(result, error)`: a request whose
+own inputs make the model raise fails alone (its batch is run again without it), the others go on.
+
+Design decisions:
+- Encoders and prefills run eagerly, at the admitted requests' own shapes (right-padded to the longest, with masks):
+  they run once per request. Only the decode step has fixed shapes (and may be compiled).
+- A prefill runs on the seat cache in admission mode: the model builds its masks and positions from the 2D masks, as
+  in `generate`; the keys land in the requests' seats. Models with linear-attention (Mamba) layers are admitted in
+  groups of equal prompt length: a recurrent state cannot skip right padding.
+- The decode step passes 4D masks built from each seat's validity (`cache.self_attention_mask`), one per kind of
+  layer (a dict by layer type when full and sliding-window layers are mixed), in the attention implementation's
+  format (boolean for sdpa, additive for eager). Encoder-decoder models get their encoder states as a zero-strided
+  dummy: cross-attention reads the stored keys (`cross_attention_kv`), never the states.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from transformers.modeling_outputs import BaseModelOutput, CausalLMOutputWithPast, Seq2SeqLMOutput
+
+from .worker import RequestWorker
+
+
+def _pad_right(tensor: torch.Tensor, length: int, value) -> torch.Tensor:
+    # tensor: [R, n, ...] -> [R, length, ...]
+    missing = length - tensor.shape[1]
+    if missing <= 0:
+        return tensor
+    filler = tensor.new_full((tensor.shape[0], missing, *tensor.shape[2:]), value)
+    return torch.cat([tensor, filler], dim=1)
+
+
+def _isolating(run, items: list, *, stateless: bool) -> list[tuple]:
+    """`run(items)` -> one result per item; if it raises and the work is `stateless` (writes nothing that a second
+    run would not overwrite), each item is run alone so that only the items that raise fail."""
+    try:
+        return [(result, None) for result in run(items)]
+    except Exception as error:  # noqa: BLE001 - a model error fails its requests, not the engine
+        if len(items) == 1 or not stateless:
+            return [(None, error)] * len(items)
+    outcomes = []
+    for item in items:
+        try:
+            outcomes.append((run([item])[0], None))
+        except Exception as error:  # noqa: BLE001
+            outcomes.append((None, error))
+    return outcomes
+
+
+# --- encoders ---------------------------------------------------------------------------------------------------
+def _encoder_signature(kwargs: dict) -> tuple:
+    """What must be equal for two requests' encoder calls to share a batch: token inputs may differ in length."""
+    token_len = kwargs["input_ids"].shape[1] if isinstance(kwargs.get("input_ids"), torch.Tensor) else None
+    signature = []
+    for key in sorted(kwargs):
+        value = kwargs[key]
+        if isinstance(value, torch.Tensor):
+            shape = tuple(value.shape)
+            if token_len is not None and value.dim() >= 2 and shape[1] == token_len:
+                shape = (shape[0], None, *shape[2:])  # padded to the longest in the batch
+            signature.append((key, value.dtype, value.device, shape))
+        else:
+            signature.append((key, repr(value)))
+    return tuple(signature)
+
+
+def run_encoders(engine, workers: list[RequestWorker]) -> list[tuple]:
+    """Encoder outputs `[1, L_enc, d]` for each worker's pending `"encode"` call, batched where shapes allow."""
+    groups = defaultdict(list)
+    for index, worker in enumerate(workers):
+        groups[_encoder_signature(worker.pending.payload)].append(index)
+    outcomes: list = [None] * len(workers)
+    for indices in groups.values():
+        group = [workers[index] for index in indices]
+        for index, outcome in zip(
+            indices, _isolating(lambda ws: _encode(engine, ws), group, stateless=True), strict=True
+        ):
+            outcomes[index] = outcome
+    return outcomes
+
+
+def _encode(engine, workers: list[RequestWorker]) -> list:
+    payloads = [worker.pending.payload for worker in workers]
+    lengths = [p["input_ids"].shape[1] if isinstance(p.get("input_ids"), torch.Tensor) else None for p in payloads]
+    longest = max((length for length in lengths if length is not None), default=None)
+    batch = {}
+    for key, value in payloads[0].items():
+        if not isinstance(value, torch.Tensor):
+            batch[key] = value
+            continue
+        values = [p[key] for p in payloads]
+        if longest is not None and value.dim() >= 2 and value.shape[1] == lengths[0]:
+            fill = engine.pad_token_id if key == "input_ids" else 0
+            values = [_pad_right(v, longest, fill) for v in values]
+        batch[key] = torch.cat(values, dim=0)
+    outputs = engine.model.get_encoder()(**batch)
+    hidden = outputs[0]  # [A, L_enc, d]
+    results = []
+    for row, length in enumerate(lengths):
+        states = hidden[row : row + 1] if length is None else hidden[row : row + 1, :length]
+        results.append(BaseModelOutput(last_hidden_state=states.clone()))
+    return results
+
+
+# --- prefills ---------------------------------------------------------------------------------------------------
+def run_prefills(engine, workers: list[RequestWorker]) -> list[tuple]:
+    """The first model call of each worker's `generate` (its prompt, or its decoder prompt over its encoder
+    outputs), batched, writing the requests' seats; returns each its outputs (logits `[R, 1, V]`)."""
+    groups = defaultdict(list)
+    for index, worker in enumerate(workers):
+        _, model_inputs = worker.pending.payload
+        # Mamba states cannot skip right padding: such models batch prompts of one length only.
+        key = model_inputs[engine.input_ids_key].shape[1] if engine.has_linear_layers else None
+        groups[key].append(index)
+    outcomes: list = [None] * len(workers)
+    for indices in groups.values():
+        group = [workers[index] for index in indices]
+        # Admission writes only the admitted seats, from column 0: running it again rewrites the same values.
+        for index, outcome in zip(
+            indices, _isolating(lambda ws: _prefill(engine, ws), group, stateless=True), strict=True
+        ):
+            outcomes[index] = outcome
+    return outcomes
+
+
+def _prefill(engine, workers: list[RequestWorker]) -> list:
+    items = [worker.pending.payload for worker in workers]  # (seats, model_inputs)
+    ids_key = engine.input_ids_key
+    prompts = [inputs[ids_key] for _, inputs in items]  # [R_i, P_i]
+    prompt_lens = [prompt.shape[1] for prompt in prompts]
+    longest = max(prompt_lens)
+    own_mask_key = "decoder_attention_mask" if engine.is_encoder_decoder else "attention_mask"
+
+    def padded(key: str, fill, default=None) -> torch.Tensor | None:
+        values = [inputs.get(key) for _, inputs in items]
+        if all(value is None for value in values):
+            return None
+        values = [default(i) if value is None else value for i, value in enumerate(values)]
+        return torch.cat([_pad_right(value, longest, fill) for value in values], dim=0)
+
+    def ones(i: int) -> torch.Tensor:
+        return torch.ones(prompts[i].shape, dtype=torch.long, device=prompts[i].device)
+
+    kwargs = {
+        ids_key: torch.cat([_pad_right(prompt, longest, engine.pad_token_id) for prompt in prompts], dim=0),
+        "cache": engine.cache,
+        "use_cache": True,
+        "return_dict": True,
+    }
+    own_mask = padded(own_mask_key, 0, ones)
+    if own_mask is None and any(length != longest for length in prompt_lens):
+        own_mask = torch.cat([_pad_right(ones(i), longest, 0) for i in range(len(items))], dim=0)
+    if own_mask is not None:
+        kwargs[own_mask_key] = own_mask
+    for key in ("position_ids", "decoder_position_ids"):
+        value = padded(key, 0)
+        if value is not None:
+            kwargs[key] = value
+    if all(length == longest for length in prompt_lens):
+        keep = {inputs.get("logits_to_keep") for _, inputs in items}
+        if keep == {1}:
+            kwargs["logits_to_keep"] = 1
+    encoder_valid = None
+    if engine.is_encoder_decoder:
+        encoder_valid = _add_encoder_inputs(engine, items, kwargs)
+    rows = torch.cat([seats.rows for seats, _ in items])
+    valid = (own_mask if own_mask is not None else torch.ones(kwargs[ids_key].shape, dtype=torch.long)).bool()
+    engine.cache.begin_admission(rows.to(engine.cache.device))
+    try:
+        outputs = engine.model(**kwargs)
+    finally:
+        engine.cache.end_step()
+    lengths = torch.tensor(
+        [length for (seats, _), length in zip(items, prompt_lens, strict=True) for _ in range(len(seats.rows))]
+    )
+    if engine.is_encoder_decoder:
+        engine.cache.admit(rows, valid, lengths, encoder_valid)
+    else:
+        engine.cache.admit(rows, valid, lengths)
+    logits = outputs.logits  # [A, P or 1, V]
+    if logits.shape[1] > 1:
+        logits = logits[torch.arange(logits.shape[0]), (lengths - 1).to(logits.device)]  # each row's last token
+    else:
+        logits = logits[:, -1]
+    results, start = [], 0
+    for (seats, _), length in zip(items, prompt_lens, strict=True):
+        count = len(seats.rows)
+        seats.length = length
+        engine.note_admitted(seats)
+        results.append(engine.output_type(logits=logits[start : start + count, None], cache=seats))
+        start += count
+    return results
+
+
+def _add_encoder_inputs(engine, items: list, kwargs: dict) -> torch.Tensor:
+    """Batch the requests' encoder outputs `[R_i, E_i, d]` (right-padded) and their masks into `kwargs`; returns the
+    encoder positions each row may attend to, `[A, E]`."""
+    states = [inputs["encoder_outputs"][0] for _, inputs in items]
+    encoder_lens = [value.shape[1] for value in states]
+    longest = max(encoder_lens)
+    masks = []
+    for (_, inputs), value in zip(items, states, strict=True):
+        mask = inputs.get(engine.encoder_mask_key)
+        if mask is None:
+            mask = torch.ones(value.shape[:2], dtype=torch.long, device=value.device)
+        masks.append(_pad_right(mask, longest, 0))
+    kwargs["encoder_outputs"] = BaseModelOutput(
+        last_hidden_state=torch.cat([_pad_right(value, longest, 0.0) for value in states], dim=0)
+    )
+    encoder_mask = torch.cat(masks, dim=0)  # [A, E]
+    if any(length != longest for length in encoder_lens) or any(
+        inputs.get(engine.encoder_mask_key) is not None for _, inputs in items
+    ):
+        kwargs[engine.encoder_mask_key] = encoder_mask
+    return encoder_mask.bool()
+
+
+# --- the decode step --------------------------------------------------------------------------------------------
+def run_decode(engine, workers: list[RequestWorker]) -> list[tuple]:
+    """One new token for every running request, in one forward over the seats' span; returns each its outputs
+    (logits `[R, 1, V]`). It advances Mamba states in place, so it is not run again for isolation: an error fails
+    every request of the step."""
+    return _isolating(lambda ws: _decode(engine, ws), workers, stateless=False)
+
+
+def decode_inputs(engine, *, span: int, window: int, cross_window: int | None, rows, tokens, positions) -> dict:
+    """The forward kwargs of a decode step over seats `[:span]`: `tokens`/`positions` `[R]` for seats `rows`, pad
+    tokens at position 0 for the free seats. The seat cache must be in its decode step (`begin_decode`)."""
+    cache = engine.cache
+    device = cache.device
+    input_ids = torch.full((span, 1), engine.pad_token_id, dtype=torch.long, device=device)
+    input_ids[rows, 0] = tokens
+    kwargs = {"cache": cache, "use_cache": True, "return_dict": True}
+    masks = {
+        layer_type: engine.format_mask(cache.self_attention_mask(span, window, sliding_window))
+        for layer_type, sliding_window in engine.mask_kinds.items()
+    }
+    own_mask = next(iter(masks.values())) if len(masks) == 1 else masks
+    if positions is not None:
+        position_ids = torch.zeros((span, 1), dtype=torch.long, device=device)
+        position_ids[rows, 0] = positions
+        kwargs[engine.position_ids_key] = position_ids
+    if engine.is_encoder_decoder:
+        kwargs["decoder_input_ids"] = input_ids
+        kwargs["decoder_attention_mask"] = own_mask
+        kwargs["encoder_outputs"] = BaseModelOutput(
+            last_hidden_state=engine.encoder_dummy.expand(span, cross_window, -1)
+        )
+        kwargs[engine.encoder_mask_key] = engine.format_mask(cache.cross_attention_mask(span, cross_window))
+    else:
+        kwargs["input_ids"] = input_ids
+        kwargs["attention_mask"] = own_mask
+    return kwargs
+
+
+def _decode(engine, workers: list[RequestWorker]) -> list:
+    items = [worker.pending.payload for worker in workers]  # (seats, model_inputs)
+    rows = torch.cat([seats.rows for seats, _ in items])
+    tokens = torch.cat([inputs[engine.input_ids_key][:, -1] for _, inputs in items])
+    positions = None
+    if engine.position_ids_key is not None:
+        per_request = []
+        for seats, inputs in items:
+            given = inputs.get(engine.position_ids_key)
+            per_request.append(given[:, -1] if given is not None else torch.full((len(seats.rows),), seats.length))
+        positions = torch.cat(per_request)
+    span, window, cross_window = engine.decode_shape(items)
+    device = engine.cache.device
+    rows_on_device = rows.to(device)
+    if engine.is_encoder_decoder:
+        engine.cache.begin_decode(span=span, window=window, cross_window=cross_window)
+    else:
+        engine.cache.begin_decode(span=span, window=window)
+    try:
+        engine.cache.mark_written(span)
+        kwargs = decode_inputs(
+            engine,
+            span=span,
+            window=window,
+            cross_window=cross_window,
+            rows=rows_on_device,
+            tokens=tokens.to(device),
+            positions=positions.to(device) if positions is not None else None,
+        )
+        with engine.compile_settings():
+            outputs = engine.decode_forward(**kwargs)
+    finally:
+        engine.cache.end_step()
+    engine.cache.advance(rows_on_device)
+    logits = outputs.logits[:, -1]  # [B, V]
+    results, start = [], 0
+    for seats, _ in items:
+        count = len(seats.rows)
+        seats.length += 1
+        results.append(engine.output_type(logits=logits[rows_on_device[start : start + count]][:, None], cache=seats))
+        start += count
+    return results
+
+
+OUTPUT_TYPES = {True: Seq2SeqLMOutput, False: CausalLMOutputWithPast}

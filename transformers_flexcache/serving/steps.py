@@ -73,7 +73,8 @@ def _encoder_signature(kwargs: dict) -> tuple:
 
 
 def run_encoders(engine, workers: list[RequestWorker]) -> list[tuple]:
-    """Encoder outputs `[1, L_enc, d]` for each worker's pending `"encode"` call, batched where shapes allow."""
+    """Encoder outputs `[R, L_enc, d]` for each worker's pending `"encode"` call (`R` its rows, usually 1), batched
+    where shapes allow."""
     groups = defaultdict(list)
     for index, worker in enumerate(workers):
         groups[_encoder_signature(worker.pending.payload)].append(index)
@@ -103,10 +104,14 @@ def _encode(engine, workers: list[RequestWorker]) -> list:
         batch[key] = torch.cat(values, dim=0)
     outputs = engine.model.get_encoder()(**batch)
     hidden = outputs[0]  # [A, L_enc, d]
-    results = []
-    for row, length in enumerate(lengths):
-        states = hidden[row : row + 1] if length is None else hidden[row : row + 1, :length]
+    results, start = [], 0
+    for payload, length in zip(payloads, lengths, strict=True):
+        # A request's call may hold several rows (Whisper repeats its input per returned sequence first).
+        count = next(value.shape[0] for value in payload.values() if isinstance(value, torch.Tensor))
+        states = hidden[start : start + count]
+        states = states if length is None else states[:, :length]
         results.append(BaseModelOutput(last_hidden_state=states.clone()))
+        start += count
     return results
 
 

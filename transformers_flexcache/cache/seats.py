@@ -322,6 +322,13 @@ class FlexibleSeatCache(Cache):
         """Data pointers of every storage tensor: equal across steps exactly when nothing was reallocated."""
         return [tensor.data_ptr() for tensor in self.storages()]
 
+    def release(self) -> int:
+        """Give every tensor back now (the cache is unusable afterwards); returns the bytes freed."""
+        freed = self.nbytes
+        for tensor in [*self.storages(), self.steps.columns, self.steps.valid]:
+            tensor.untyped_storage().resize_(0)
+        return freed
+
     @property
     def device(self) -> torch.device:
         return self.steps.columns.device
@@ -476,6 +483,9 @@ class FlexibleSeatEncoderDecoderCache(EncoderDecoderCache):
 
     def data_ptrs(self) -> list[int]:
         return self.self_attention_cache.data_ptrs() + self.cross_attention_cache.data_ptrs()
+
+    def release(self) -> int:
+        return self.self_attention_cache.release() + self.cross_attention_cache.release()
 
     @property
     def device(self) -> torch.device:

@@ -29,6 +29,7 @@ import inspect
 import itertools
 import os
 import threading
+import time
 from collections import deque
 
 import torch
@@ -247,11 +248,11 @@ class Engine:
         return compile_settings(self.compile_config) if self.compile_config is not None else contextlib.nullcontext()
 
     def note_admitted(self, seats) -> None:
+        """A request's prefill ran: record when (the first one, for a request of several generate calls)."""
         handle = seats.worker.handle
         if handle.admitted_at is None:
-            import time
-
             handle.admitted_at = time.perf_counter()
+            handle.admitted_at_step = self.stats["decode_steps"]
 
     def reorder_seats(self, seats, beam_idx: torch.Tensor) -> None:
         """Beam search within one request: its row `i` takes what its row `beam_idx[i]` holds."""
@@ -399,8 +400,7 @@ class Engine:
             raise TimeoutError(f"the engine's scheduler did not stop within {timeout} s")
         if not self._closed:
             self._closed = True
-            for tensor in self.cache.storages():
-                tensor.untyped_storage().resize_(0)
+            self.cache.release()
 
     def __enter__(self) -> Engine:
         return self
@@ -601,20 +601,11 @@ class Engine:
         self._settle(worker)
 
     def _settle(self, worker: RequestWorker) -> None:
-        """If `worker` ended, give its result to its handle and its seats back."""
+        """If `worker` ended, give its seats back, then its result to its handle (so that a caller who sees the result
+        sees the seats free)."""
         call = worker.pending
         if call.kind not in ("done", "failed"):
             return
-        handle = worker.handle
-        if call.kind == "done":
-            result = _without_cache(call.payload)
-            if not worker.spec.stream:
-                _push_result_tokens(handle, result, worker.spec.prompt_len)
-            handle.finish(result=result)
-            self.stats["finished"] += 1
-        else:
-            handle.finish(error=call.payload)
-            self.stats["cancelled" if isinstance(call.payload, RequestCancelledError) else "failed"] += 1
         if worker.session is not None:
             worker.session.close()
         self.cache.free(worker.seats)
@@ -623,6 +614,16 @@ class Engine:
             for seat in worker.seats.tolist():
                 heapq.heappush(self._free_seats, seat)
             self._lock.notify_all()
+        handle = worker.handle
+        if call.kind == "done":
+            result = _without_cache(call.payload)
+            if not worker.spec.stream:
+                _push_result_tokens(handle, result, worker.spec.prompt_len)
+            self.stats["finished"] += 1
+            handle.finish(result=result)
+        else:
+            self.stats["cancelled" if isinstance(call.payload, RequestCancelledError) else "failed"] += 1
+            handle.finish(error=call.payload)
 
     def _fail_everything(self, error: BaseException) -> None:
         with self._lock:

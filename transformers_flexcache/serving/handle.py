@@ -40,6 +40,7 @@ class RequestHandle:
         request_id (`int`): the engine's number for it, in submission order.
         num_seats (`int`): the seats (cache rows) it takes while it runs.
         submitted_at, admitted_at, first_token_at, finished_at (`float | None`): `time.perf_counter()` stamps.
+        admitted_at_step (`int | None`): how many decode steps the engine had run when the request's prefill ran.
     """
 
     def __init__(self, *, request_id: int, num_seats: int, on_cancel):
@@ -47,6 +48,7 @@ class RequestHandle:
         self.num_seats = num_seats
         self.submitted_at = time.perf_counter()
         self.admitted_at: float | None = None
+        self.admitted_at_step: int | None = None
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
         self.num_new_tokens = 0

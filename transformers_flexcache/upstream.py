@@ -277,6 +277,28 @@ UPSTREAM: dict[str, Upstream] = {
             ("pegasus.modeling_pegasus", "PegasusAttention"),
         )
     },
+    # Per-row positions of the serving engine's decode step (`[B, 1]` lengths from its seat cache).
+    f"{_T5}.T5Attention.compute_bias": Upstream(
+        "5695d9f791671aa8",
+        "per_row_relative_bias repeats its positions, bucket call and embedding for per-row lengths: carry changes "
+        "over (the bucket arguments, the permutation)",
+    ),
+    f"{_P2S}.Pix2StructTextAttention.compute_bias": Upstream(
+        "26f8a01d0be55a6f",
+        "it is T5's with unidirectional buckets; our per-row path calls T5's per_row_relative_bias",
+    ),
+    f"{_BART}.BartLearnedPositionalEmbedding.forward": Upstream(
+        "1f69ea205098467b",
+        "our per-row path looks `[B, S]` position ids up with the offset, as upstream's `[S]` path does",
+    ),
+    "transformers.models.mbart.modeling_mbart.MBartLearnedPositionalEmbedding.forward": Upstream(
+        "1f69ea205098467b",
+        "a copy of BART's upstream; FlexLearnedPositionsMixin serves both: if they part, give mBART its own",
+    ),
+    "transformers.models.m2m_100.modeling_m2m_100.M2M100SinusoidalPositionalEmbedding.forward": Upstream(
+        "6acaa009b434fb15",
+        "our per-row path repeats the position ids, the table growth check (on the longest row) and the lookup",
+    ),
     f"{_P2S}.Pix2StructTextAttention.forward": Upstream(
         "8b4bc316ec9a5d4c",
         "compare the cross-attention branch, the zero position bias added to it and the mask slicing",
@@ -292,6 +314,11 @@ UPSTREAM: dict[str, Upstream] = {
         "carry every other change over, including the decorators",
     ),
     # generate internals that we override or wrap.
+    f"{_GEN}._prepare_text_encoder_decoder_kwargs_for_generation": Upstream(
+        "5f7b075a3b1f56e9",
+        "our copy (serving engine requests) builds the same encoder kwargs and hands them to the engine instead of "
+        "calling the encoder: carry over changes to the prefixes, the signature filter and the added flags",
+    ),
     f"{_GEN}._prepare_cache_for_generation": Upstream(
         "67c6cfc6d1aa80bf",
         "our flexible branch repeats its escape routes (a user cache with `cache_implementation`, `use_cache=False`) "

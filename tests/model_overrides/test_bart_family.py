@@ -33,7 +33,8 @@ def _right_padded(lengths: list[int], generator: torch.Generator) -> dict:
 @pytest.mark.parametrize("case", FAMILY)
 def test_the_attention_override_is_barts_forward_with_the_models_own_eager_attention(case):
     (upstream_attention, flex_attention), *others = case.flex_class._flex_module_classes.items()
-    assert others == []
+    # Besides attention, only positional embeddings change (per-row positions of the serving engine).
+    assert all(upstream_class.__name__.endswith("PositionalEmbedding") for upstream_class, _ in others)
     assert flex_attention.__bases__ == (FlexBartAttentionMixin, upstream_attention)
     assert flex_attention.forward is FlexBartAttentionMixin.forward
     upstream_module = sys.modules[upstream_attention.__module__]

@@ -221,6 +221,7 @@ def test_steady_state_allocates_no_cache_storage():
         assert engine.cache.data_ptrs() == pointers
         assert engine.nbytes == nbytes
         assert engine.cache.num_allocations == 2  # self- and cross-attention halves, once each
+        assert Engine.nbytes_for(flex, capacities(flex)) == nbytes  # told before allocating
 
 
 def test_iterating_a_handle_yields_the_new_tokens_as_decoded():

@@ -31,6 +31,7 @@ import os
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass, field
 
 import torch
 from transformers.generation.configuration_utils import GenerationMode
@@ -77,6 +78,7 @@ MODEL_INPUTS = (
     "encoder_outputs",
 )
 ENGINE_CONFIG_KEYS = ("max_batch_size", "max_cache_len", "max_encoder_len", "shape_policy", "buckets")
+HEARTBEAT_S = 5.0  # tensor parallel: an idle rank 0 tells the others it is alive this often (their collectives wait)
 _FIFO = itertools.count()
 
 
@@ -159,9 +161,30 @@ class Engine:
         self._drain = False
         self._closed = False
         self._model_lock = threading.RLock()  # the scheduler's model work, and warmup
+        self._stops: dict[int, str] = {}  # the running requests that stop at this step (see `_plan`)
+        self._rank = _tensor_parallel_rank(model)
+        self.is_leader = self._rank in (None, 0)
         self.stats = {"submitted": 0, "finished": 0, "failed": 0, "cancelled": 0, "decode_steps": 0, "rows": 0}
         self._scheduler = threading.Thread(target=self._run, name="flexcache-engine", daemon=True)
         self._scheduler.start()
+
+    @staticmethod
+    def nbytes_for(model, cache_config: dict) -> int:
+        """Bytes an engine for `model` with these capacities allocates for its seats, without allocating them (each
+        layer sized as `layer_specs_for_model` places it: heads of this tensor-parallel rank, the layer's dtype)."""
+        config = _engine_config(model, cache_config)
+        specs, cross_specs = layer_specs_for_model(model)
+        if model.config.is_encoder_decoder:
+            return FlexibleSeatEncoderDecoderCache.nbytes_for(
+                layer_specs=specs,
+                cross_layer_specs=cross_specs,
+                max_batch_size=config.max_batch_size,
+                max_cache_len=config.max_cache_len,
+                max_encoder_len=config.max_encoder_len,
+            )
+        return FlexibleSeatCache.nbytes_for(
+            layer_specs=specs, max_batch_size=config.max_batch_size, max_cache_len=config.max_cache_len
+        )
 
     # --- construction -----------------------------------------------------------------------------------------
     def _check_attention_implementation(self) -> None:
@@ -297,6 +320,11 @@ class Engine:
             QueueFullError: `max_queue` requests are already waiting.
             EngineClosedError: the engine is closed (or closing).
         """
+        if not self.is_leader:
+            raise RuntimeError(
+                f"this is rank {self._rank} of a tensor-parallel model: requests go to rank 0's engine, and this one "
+                "follows it (call engine.follow())"
+            )
         spec = self._checked_request(seed, kwargs)
         with self._lock:
             if self._closing:
@@ -377,6 +405,23 @@ class Engine:
         finally:
             cache.end_step()
 
+    def follow(self, timeout: float | None = None) -> None:
+        """On a rank other than 0 of a tensor-parallel model: run the steps rank 0's engine decides, until it closes;
+        then free the storage.
+
+        Raises:
+            RuntimeError: this engine takes requests itself (rank 0, or no tensor parallelism).
+            TimeoutError: rank 0 did not close within `timeout` seconds.
+        """
+        if self.is_leader:
+            raise RuntimeError("follow() is for ranks other than 0 of a tensor-parallel model; this engine leads")
+        self._scheduler.join(timeout)
+        if self._scheduler.is_alive():
+            raise TimeoutError(f"rank 0's engine did not close within {timeout} s")
+        if not self._closed:
+            self._closed = True
+            self.cache.release()
+
     def close(self, *, drain: bool = False, timeout: float | None = None) -> None:
         """Stop the engine and free its storage.
 
@@ -388,6 +433,9 @@ class Engine:
         Raises:
             TimeoutError: the scheduler did not stop within `timeout` (the engine stays closing).
         """
+        if not self.is_leader:
+            self.follow(timeout)  # rank 0 decides when the steps end
+            return
         with self._lock:
             self._closing = True
             self._drain = self._drain or drain
@@ -511,31 +559,68 @@ class Engine:
         try:
             with torch.no_grad():
                 while True:
-                    with self._lock:
-                        while not self._has_work():
-                            self._lock.wait()
-                        if self._closing and not self._workers and (not self._drain or not self._queue):
-                            return
-                        admitted = self._take_admissible()
+                    plan = self._shared(self._plan() if self.is_leader else None)
+                    if plan.exit:
+                        return
                     with self._model_lock:
-                        for spec, seats in admitted:
+                        self._stops = plan.stops
+                        for spec, seats in plan.admitted:
                             self._start(spec, seats)
                         self._advance()
         except BaseException as error:  # a bug of the engine: fail everything rather than hang
             self._fail_everything(error)
             raise
 
-    def _take_admissible(self) -> list[tuple]:
+    def _plan(self) -> _StepPlan:
+        """What the next step does: admissions (first come first served) and which running requests stop."""
+        with self._lock:
+            while not self._has_work():
+                if not self._lock.wait(HEARTBEAT_S if self._rank is not None else None):
+                    return _StepPlan()  # tensor parallel: tell the other ranks the leader is alive
+            if self._closing and not self._workers and (not self._drain or not self._queue):
+                return _StepPlan(exit=True)
+            admitted = []
+            while (
+                self._queue
+                and self._queue[0].num_seats <= len(self._free_seats)
+                and not (self._closing and not self._drain)
+            ):
+                spec = self._queue.popleft()
+                admitted.append((spec, sorted(heapq.heappop(self._free_seats) for _ in range(spec.num_seats))))
+            stops = {}
+            for worker in self._workers:
+                if worker.handle.cancel_requested:
+                    stops[worker.handle.request_id] = "cancelled"
+                elif self._closing and not self._drain:
+                    stops[worker.handle.request_id] = "closed"
+        return _StepPlan(admitted=admitted, stops=stops)
+
+    def _shared(self, plan: _StepPlan | None) -> _StepPlan:
+        """Under tensor parallelism, rank 0's plan goes to every rank, so that all run the same steps (their
+        forwards meet in collectives); the other ranks take the same seats for the same requests."""
+        if self._rank is None:
+            return plan
+        import torch.distributed as dist
+
+        message = [None]
+        if self.is_leader:
+            message[0] = (
+                [(spec.handle.request_id, spec.wire(), seats) for spec, seats in plan.admitted],
+                plan.stops,
+                plan.exit,
+            )
+        dist.broadcast_object_list(message, src=0)
+        if self.is_leader:
+            return plan
+        admitted_wire, stops, exit_ = message[0]
         admitted = []
-        while (
-            self._queue
-            and self._queue[0].num_seats <= len(self._free_seats)
-            and not (self._closing and not self._drain)
-        ):
-            spec = self._queue.popleft()
-            seats = sorted(heapq.heappop(self._free_seats) for _ in range(spec.num_seats))
-            admitted.append((spec, seats))
-        return admitted
+        for request_id, wire, seats in admitted_wire:
+            handle = RequestHandle(request_id=request_id, num_seats=len(seats), on_cancel=lambda handle: None)
+            admitted.append((RequestSpec.from_wire(wire, handle=handle), seats))
+            with self._lock:
+                self._free_seats = [seat for seat in self._free_seats if seat not in seats]
+                heapq.heapify(self._free_seats)
+        return _StepPlan(admitted=admitted, stops=stops, exit=exit_)
 
     def _start(self, spec: RequestSpec, seats: list[int]) -> None:
         worker = RequestWorker(engine=self, spec=spec, seats=seats)
@@ -583,10 +668,11 @@ class Engine:
                 self._resume(worker, error=ValueError(f"the request outgrew the engine: {message}"))
 
     def _stopping(self, worker: RequestWorker) -> bool:
-        return worker.handle.cancel_requested or (self._closing and not self._drain)
+        # Decided once per step (`_plan`), so that every rank of a tensor-parallel model stops the same requests.
+        return worker.handle.request_id in self._stops
 
     def _stop_error(self, worker: RequestWorker) -> BaseException:
-        if worker.handle.cancel_requested:
+        if self._stops[worker.handle.request_id] == "cancelled":
             return RequestCancelledError(f"request {worker.handle.request_id} was cancelled")
         return EngineClosedError("the engine was closed while the request ran")
 
@@ -634,6 +720,31 @@ class Engine:
             self._queue.clear()
             for worker in self._workers:
                 worker.handle.finish(error=failure)
+
+
+@dataclass
+class _StepPlan:
+    """What one scheduler step does, decided by rank 0: the requests admitted (with their seats), the running ones
+    that stop (`request_id -> "cancelled" | "closed"`), or the end."""
+
+    admitted: list = field(default_factory=list)
+    stops: dict = field(default_factory=dict)
+    exit: bool = False
+
+
+def _tensor_parallel_rank(model) -> int | None:
+    """This process's rank when `model` is sharded with a `tp_plan` over several processes, else None."""
+    if (getattr(model, "tp_size", None) or 1) <= 1:
+        return None
+    import torch.distributed as dist
+
+    if dist.get_world_size() != model.tp_size:
+        raise ValueError(
+            f"the engine steps every rank of a tensor-parallel model together and takes rank 0's requests: it needs "
+            f"the model sharded over the whole world (tp_size={model.tp_size}, world size {dist.get_world_size()}); "
+            "run one engine per tensor-parallel group in processes of their own"
+        )
+    return dist.get_rank()
 
 
 def _engine_config(model, cache_config) -> CacheConfig:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -52,7 +52,14 @@ class RequestSpec:
     stream: bool  # new tokens reach the handle step by step (a streamer); otherwise from the result, at the end
     handle: RequestHandle
     prompt_len: int = 0  # decoder prompt columns of the result, for the tokens pushed at the end
-    extra: dict = field(default_factory=dict)
+
+    def wire(self) -> dict:
+        """What another rank needs to run the same request (everything but the handle), picklable."""
+        return {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "handle"}
+
+    @classmethod
+    def from_wire(cls, wire: dict, *, handle: RequestHandle) -> RequestSpec:
+        return cls(**wire, handle=handle)
 
 
 class RequestSeats(Cache):

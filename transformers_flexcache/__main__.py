@@ -1,7 +1,9 @@
 """The `transformers-flexcache` command (also `python -m transformers_flexcache`).
 
 Subcommands:
-    bench   run a stream of generate calls under each cache strategy and compare time, memory and outputs
+    bench        run a stream of generate calls under each cache strategy and compare time, memory and outputs
+    bench-serve  an open-loop stream of requests against one-at-a-time, static batching, the in-flight engine and
+                 CTranslate2: throughput and latency at several offered loads
     export  export a saved checkpoint to one ExecuTorch .pte that serves every batch and length up to its capacities
 """
 
@@ -34,6 +36,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_arguments(bench_parser)
     bench_parser.set_defaults(handler=bench.run, subparser=bench_parser)
+    from .bench import serve as bench_serve
+
+    serve_bench_parser = subcommands.add_parser(
+        "bench-serve",
+        help="load benchmark: one-at-a-time, static batching, the in-flight engine (eager, compiled) and CTranslate2",
+        description=(
+            "Run one seeded open-loop stream of independent requests (Poisson arrivals, sources of 8-128 tokens, "
+            "8-64 new tokens) at several offered loads against each way of serving them; print requests/s, tokens/s, "
+            "p50/p95/p99 latency, time to first token, seats in use and cache allocations, check every request's "
+            "tokens against upstream's DynamicCache on the request alone (exit status 1 if one differs), and read "
+            "the goals off the table."
+        ),
+    )
+    bench_serve.add_arguments(serve_bench_parser)
+    serve_bench_parser.set_defaults(handler=bench_serve.run, subparser=serve_bench_parser)
     from .export import cli as export_cli
 
     export_parser = subcommands.add_parser(

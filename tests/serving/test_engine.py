@@ -110,6 +110,23 @@ def test_every_request_equals_generate_alone_when_submitted_from_several_threads
     assert steps[-1] > 0, steps
 
 
+@pytest.mark.parametrize("name", ["t5", "llama"])
+def test_requests_without_a_mask_share_a_padded_batch_as_if_alone(name):
+    # Admitted together, sources (or prompts) of different lengths are right-padded into one encoder call and one
+    # prefill: the engine masks the padding itself when a request brings no attention mask.
+    case = next(case for case in MODEL_CASES if case.name == name)
+    upstream, flex = case.build("sdpa")
+    generator = torch.Generator().manual_seed(13)
+    stream = [{"input_ids": case.make_inputs(1, length, generator)["input_ids"]} for length in (9, 4, 12, 6)]
+    expected = [upstream.generate(**inputs, max_new_tokens=6) for inputs in stream]
+    with Engine(flex, cache_config=capacities(flex)) as engine:
+        handles = [engine.submit(**inputs, max_new_tokens=6) for inputs in stream]
+        outputs = [handle.result(timeout=TIMEOUT) for handle in handles]
+        assert len({handle.admitted_at_step for handle in handles}) < len(handles)  # some were admitted together
+    for want, got in zip(expected, outputs, strict=True):
+        assert torch.equal(got, want)
+
+
 def test_a_sampled_request_gives_the_same_tokens_whatever_runs_beside_it():
     case = next(case for case in MODEL_CASES if case.name == "llama")
     upstream, flex = case.build("sdpa")

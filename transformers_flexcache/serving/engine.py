@@ -149,6 +149,9 @@ class Engine:
         self.pad_token_id = _pad_token_id(model)
         self.output_type = steps.OUTPUT_TYPES[self.is_encoder_decoder]
         self.encoder_dummy = self._encoder_dummy() if self.is_encoder_decoder else None
+        self.encoder_takes_mask = self.is_encoder_decoder and (
+            "attention_mask" in inspect.signature(model.get_encoder().forward).parameters
+        )
         self.decode_forward = model.get_compiled_call(compile_config) if compile_config is not None else model
         self._mask_fill = torch.finfo(model.dtype).min if model.config._attn_implementation == "eager" else None
 

@@ -58,6 +58,8 @@ class RequestHandle:
         self._error: BaseException | None = None
         self._tokens: queue.SimpleQueue = queue.SimpleQueue()
         self._cancel_requested = False
+        self._callbacks: list = []
+        self._callbacks_lock = threading.Lock()
 
     # --- the caller's side ------------------------------------------------------------------------------------
     def result(self, timeout: float | None = None):
@@ -81,6 +83,15 @@ class RequestHandle:
 
     def done(self) -> bool:
         return self._done.is_set()
+
+    def add_done_callback(self, callback) -> None:
+        """Call `callback(handle)` when the request ends (at once if it has): in the engine's thread, so keep it
+        short (a server wakes its event loop with it)."""
+        with self._callbacks_lock:
+            if not self._done.is_set():
+                self._callbacks.append(callback)
+                return
+        callback(self)
 
     def cancel(self) -> bool:
         """Stop the request: its seats are free within one step and `result()` raises `RequestCancelledError`.
@@ -114,9 +125,13 @@ class RequestHandle:
         self._tokens.put(tokens)
 
     def finish(self, result=None, error: BaseException | None = None) -> None:
-        if self._done.is_set():
-            return
-        self._result, self._error = result, error
-        self.finished_at = time.perf_counter()
-        self._tokens.put(_END)
-        self._done.set()
+        with self._callbacks_lock:
+            if self._done.is_set():
+                return
+            self._result, self._error = result, error
+            self.finished_at = time.perf_counter()
+            self._tokens.put(_END)
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback(self)

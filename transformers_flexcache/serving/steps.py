@@ -77,7 +77,14 @@ def run_encoders(engine, workers: list[RequestWorker]) -> list[tuple]:
     where shapes allow."""
     groups = defaultdict(list)
     for index, worker in enumerate(workers):
-        groups[_encoder_signature(worker.pending.payload)].append(index)
+        payload = worker.pending.payload
+        if isinstance(payload.get("input_ids"), torch.Tensor) and payload.get("attention_mask") is None:
+            if engine.encoder_takes_mask:
+                # A mask of ones changes nothing for the request alone, and lets it share a right-padded batch.
+                payload["attention_mask"] = torch.ones_like(payload["input_ids"])
+            else:  # without a mask, padding would be attended to: batch only equal lengths
+                payload["_length"] = payload["input_ids"].shape[1]
+        groups[_encoder_signature(payload)].append(index)
     outcomes: list = [None] * len(workers)
     for indices in groups.values():
         group = [workers[index] for index in indices]
@@ -94,6 +101,8 @@ def _encode(engine, workers: list[RequestWorker]) -> list:
     longest = max((length for length in lengths if length is not None), default=None)
     batch = {}
     for key, value in payloads[0].items():
+        if key == "_length":
+            continue
         if not isinstance(value, torch.Tensor):
             batch[key] = value
             continue

@@ -1,0 +1,665 @@
+"""The load benchmark: an open-loop stream of independent requests against each way of serving them, side by side.
+
+`transformers-flexcache bench-serve` (or `python -m transformers_flexcache bench-serve`).
+
+Design decisions:
+- One seeded stream per model: requests of one source each (lengths uniform in 8-128 tokens, ids that avoid special
+  tokens), each with its own `max_new_tokens` (uniform in 8-64; EOS ends some sooner), arriving as a Poisson process.
+  The same requests run at several offered loads (only the arrival times scale), open loop: a request arrives when
+  its time comes, whether or not the server keeps up, so an overloaded strategy shows it in its latency.
+- Strategies, each given every request at its arrival time, in one process, one after the other per load:
+  - `one-at-a-time`: a queue and one `generate` at a time with upstream's DynamicCache (what `transformers serve`
+    does). Its tokens are the reference of every other strategy: upstream on the request alone.
+  - `static-batching`: collect up to `max_batch_size` requests or `--batch-timeout` seconds after the first, then
+    one `generate` call on the flexible cache (sources right-padded and masked), run until its longest row ends; each
+    request's tokens are its row cut at its own `max_new_tokens`.
+  - `in-flight` and `in-flight-compiled`: the serving engine (`transformers_flexcache.serving.Engine`), eager, and
+    compiled with `compile_config_for_cpu()` over a bucketed policy after `warmup()` (compile time reported apart).
+  - `ctranslate2`: CTranslate2's `translate_batch` (fp32, the same weights, the same threads) with the same static
+    batching.
+- Figures per strategy and load: completed requests/s and tokens/s over the span from the first arrival to the last
+  completion, p50/p95/p99 latency (arrival to completion), p50 time to first token (the first decoded token; for
+  batched strategies the batch's first step), mean seats in use (the engine's, sampled at every arrival and
+  completion; the batch size for the batching strategies), cache storage allocated during the stream (the bench's
+  allocation counter on the caches each forward sees; not available for CTranslate2 and compiled forwards, whose
+  caches are checked by address instead), and how many requests' tokens equal the reference.
+- Goals, read off the table: at the offered load where static batching saturates (its completed rate falls below
+  90% of the offered one), the compiled engine's request throughput over static batching's (goal: at least 1.5x) and
+  its p99 latency over static batching's (at most 0.5x); against CTranslate2 at that load, at least its throughput
+  at an equal or lower p99.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import queue
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+from ..compilation import compile_config_for_cpu
+from .measure import CacheStorageTracker
+from .models import BENCH_MODELS, _special_ids, build_models
+from .report import machine_info
+
+SERVE_MODELS = ("t5", "marian")
+STRATEGIES = ("one-at-a-time", "static-batching", "in-flight", "in-flight-compiled", "ctranslate2")
+LOAD_MULTIPLES = (1.0, 2.0, 4.0, 8.0)  # offered loads, in multiples of one-at-a-time's service rate
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    """One request of the stream: `arrival` in seconds from the stream's start at unit offered load (1 req/s)."""
+
+    index: int
+    arrival: float
+    input_ids: torch.Tensor  # [1, L]
+    max_new_tokens: int
+
+
+@dataclass
+class Outcome:
+    arrival: float
+    done: float = math.nan
+    first_token: float = math.nan
+    tokens: list | None = None
+    error: str | None = None
+
+
+@dataclass
+class LoadRow:
+    """One strategy at one offered load."""
+
+    model: str
+    strategy: str
+    offered_rps: float
+    completed_rps: float = 0.0
+    tokens_per_s: float = 0.0
+    p50_s: float = math.nan
+    p95_s: float = math.nan
+    p99_s: float = math.nan
+    ttft_p50_s: float = math.nan
+    mean_seats: float = math.nan
+    cache_allocations: int | None = None
+    tokens_equal: int = 0
+    num_requests: int = 0
+    failed: int = 0
+    compile_s: float | None = None
+    notes: list = field(default_factory=list)
+
+
+def make_stream(config, *, num_requests: int, seed: int, quick: bool) -> list[LoadRequest]:
+    """Seeded requests: source lengths 8-128 (4-12 with `quick`), 8-64 new tokens (2-8), Poisson arrivals at 1/s."""
+    generator = torch.Generator().manual_seed(seed)
+    allowed = torch.tensor([i for i in range(config.vocab_size) if i not in _special_ids(config)])
+    low, high = (4, 12) if quick else (8, 128)
+    new_low, new_high = (2, 8) if quick else (8, 64)
+    arrival, stream = 0.0, []
+    for index in range(num_requests):
+        arrival += float(torch.empty(()).exponential_(generator=generator))
+        length = int(torch.randint(low, high + 1, (), generator=generator))
+        ids = allowed[torch.randint(len(allowed), (1, length), generator=generator)]
+        new_tokens = int(torch.randint(new_low, new_high + 1, (), generator=generator))
+        stream.append(LoadRequest(index, arrival, ids, new_tokens))
+    return stream
+
+
+def new_tokens_of(row: torch.Tensor, request: LoadRequest, eos_token_id: int) -> list[int]:
+    """An encoder-decoder output row `[T]` as the request alone would end it: after the decoder start token, at most
+    `max_new_tokens`, up to its first EOS included."""
+    tokens = row[1 : 1 + request.max_new_tokens].tolist()
+    return tokens[: tokens.index(eos_token_id) + 1] if eos_token_id in tokens else tokens
+
+
+class _FirstStep(BaseStreamer):
+    """Stamps the first decoded step (the first `put` after the prompt's)."""
+
+    def __init__(self):
+        self.puts, self.stamp = 0, math.nan
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.stamp = time.perf_counter()
+
+    def end(self) -> None:
+        return None
+
+
+# --- strategies -------------------------------------------------------------------------------------------------
+class Strategy:
+    """Takes requests at their arrival (`submit`, never blocking) and records each outcome."""
+
+    name = ""
+    compile_s: float | None = None
+
+    hooked = None  # the model whose forwards the allocation counter sees (None: not counted that way)
+
+    def __init__(self):
+        self.outcomes: dict[int, Outcome] = {}
+        self.seats: list[int] = []
+        self.tracker = CacheStorageTracker()
+        self.notes: list[str] = []
+        self._hook = None
+
+    def start(self) -> None:
+        self.outcomes, self.seats = {}, []
+        self.tracker.start_call()
+        if self.hooked is not None:  # only while this strategy runs: a compiled one shares the model, unhooked
+            self._hook = self.hooked.register_forward_hook(self.tracker.forward_hook, with_kwargs=True)
+
+    def stop(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def submit(self, request: LoadRequest, arrival: float) -> None:
+        raise NotImplementedError
+
+    def allocations(self) -> int | None:
+        return self.tracker.allocations
+
+    def close(self) -> None:
+        return None
+
+
+class _QueueServer(Strategy):
+    """A thread that serves its queue: one request at a time, or batches of them."""
+
+    def __init__(self):
+        super().__init__()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def submit(self, request: LoadRequest, arrival: float) -> None:
+        self.outcomes[request.index] = Outcome(arrival=arrival)
+        self._queue.put(request)
+
+    def _serve(self) -> None:
+        while True:
+            batch = self._next_batch()
+            if batch is None:
+                return
+            with torch.no_grad():
+                try:
+                    first_step, results = self.run_batch(batch)
+                except Exception as error:  # noqa: BLE001 - a failed batch is a row of the report, not a crash
+                    for request in batch:
+                        self.outcomes[request.index].error = repr(error)
+                        self.outcomes[request.index].done = time.perf_counter()
+                    continue
+            done = time.perf_counter()
+            for request, tokens in zip(batch, results, strict=True):
+                outcome = self.outcomes[request.index]
+                outcome.tokens, outcome.first_token, outcome.done = tokens, first_step, done
+
+    def _next_batch(self) -> list[LoadRequest] | None:
+        request = self._queue.get()
+        return None if request is None else [request]
+
+    def run_batch(self, batch: list[LoadRequest]) -> tuple[float, list[list[int]]]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(60)
+
+
+class OneAtATime(_QueueServer):
+    name = "one-at-a-time"
+
+    def __init__(self, model):
+        self.model = self.hooked = model
+        super().__init__()
+
+    def run_batch(self, batch):
+        (request,) = batch
+        self.seats.append(1)
+        streamer = _FirstStep()
+        out = self.model.generate(
+            input_ids=request.input_ids, max_new_tokens=request.max_new_tokens, do_sample=False, streamer=streamer
+        )
+        return streamer.stamp, [new_tokens_of(out[0], request, self.model.generation_config.eos_token_id)]
+
+
+class _Batcher(_QueueServer):
+    """Collects up to `max_batch_size` requests, or what arrived within `timeout` seconds of the first."""
+
+    def __init__(self, *, max_batch_size: int, timeout: float):
+        self.max_batch_size, self.timeout = max_batch_size, timeout
+        super().__init__()
+
+    def _next_batch(self):
+        first = self._queue.get()
+        if first is None:
+            return None
+        batch, deadline = [first], time.perf_counter() + self.timeout
+        while len(batch) < self.max_batch_size:
+            try:
+                request = self._queue.get(timeout=max(0.0, deadline - time.perf_counter()))
+            except queue.Empty:
+                break
+            if request is None:
+                self._queue.put(None)  # served after this batch
+                break
+            batch.append(request)
+        self.seats.append(len(batch))
+        return batch
+
+
+def _right_padded(batch: list[LoadRequest], pad_token_id: int) -> dict:
+    longest = max(request.input_ids.shape[1] for request in batch)
+    input_ids = torch.full((len(batch), longest), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(batch), longest), dtype=torch.long)
+    for row, request in enumerate(batch):
+        input_ids[row, : request.input_ids.shape[1]] = request.input_ids[0]
+        attention_mask[row, : request.input_ids.shape[1]] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+class StaticBatching(_Batcher):
+    name = "static-batching"
+
+    def __init__(self, model, *, cache_config: dict, **kwargs):
+        self.model = self.hooked = model
+        self.cache_config = cache_config
+        super().__init__(**kwargs)
+
+    def run_batch(self, batch):
+        streamer = _FirstStep()
+        out = self.model.generate(
+            **_right_padded(batch, self.model.generation_config.pad_token_id),
+            max_new_tokens=max(request.max_new_tokens for request in batch),
+            do_sample=False,
+            streamer=streamer,
+            cache_implementation="flexible_static",
+            cache_config=self.cache_config,
+        )
+        eos = self.model.generation_config.eos_token_id
+        return streamer.stamp, [new_tokens_of(row, request, eos) for row, request in zip(out, batch, strict=True)]
+
+
+class CTranslate2Batching(_Batcher):
+    name = "ctranslate2"
+
+    def __init__(self, model, *, threads: int, **kwargs):
+        from .ctranslate2 import CTranslate2Runner
+
+        self.runner = CTranslate2Runner.from_model(model, threads=threads)
+        self.eos_token_id = model.generation_config.eos_token_id
+        super().__init__(**kwargs)
+
+    def allocations(self) -> int | None:
+        return None  # CTranslate2 grows its caches internally and counts nothing
+
+    def run_batch(self, batch):
+        vocabulary, index = self.runner.vocabulary, self.runner.index
+        source = [[vocabulary[i] for i in request.input_ids[0].tolist()] for request in batch]
+        stamps: list[float] = []
+
+        def on_token(step) -> None:
+            if not stamps:
+                stamps.append(time.perf_counter())
+
+        results = self.runner.translator.translate_batch(
+            source,
+            beam_size=1,
+            max_decoding_length=max(request.max_new_tokens for request in batch),
+            return_end_token=True,
+            callback=on_token,
+        )
+        tokens = []
+        for result, request in zip(results, batch, strict=True):
+            ids = [index[token] for token in result.hypotheses[0]][: request.max_new_tokens]
+            tokens.append(ids[: ids.index(self.eos_token_id) + 1] if self.eos_token_id in ids else ids)
+        return (stamps[0] if stamps else math.nan), tokens
+
+
+class InFlight(Strategy):
+    def __init__(self, model, *, cache_config: dict, compile_config=None, max_queue: int):
+        from ..serving import Engine
+
+        super().__init__()
+        self.name = "in-flight-compiled" if compile_config is not None else "in-flight"
+        self.model = model
+        self.engine = Engine(model, cache_config=cache_config, compile_config=compile_config, max_queue=max_queue)
+        if compile_config is not None:
+            start = time.perf_counter()
+            self.engine.warmup()
+            self.compile_s = time.perf_counter() - start
+        else:
+            self.hooked = model
+        self._pointers = self.engine.cache.data_ptrs()
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        super().start()
+        self.tracker.observe(self.engine.cache)  # already allocated: not counted in the stream
+        self.tracker.allocations = self.tracker.bytes_allocated = 0
+
+    def submit(self, request: LoadRequest, arrival: float) -> None:
+        outcome = self.outcomes[request.index] = Outcome(arrival=arrival)
+        eos = self.model.generation_config.eos_token_id
+        self.seats.append(self.engine.seats_in_use)
+
+        def finished(handle) -> None:
+            error = handle.exception(timeout=0)
+            if error is None:
+                outcome.tokens = new_tokens_of(handle.result(timeout=0)[0], request, eos)
+            else:
+                outcome.error = repr(error)
+            outcome.first_token = handle.first_token_at if handle.first_token_at is not None else math.nan
+            outcome.done = handle.finished_at
+            with self._lock:
+                self.seats.append(self.engine.seats_in_use)
+
+        handle = self.engine.submit(
+            input_ids=request.input_ids, max_new_tokens=request.max_new_tokens, do_sample=False
+        )
+        handle.add_done_callback(finished)
+
+    def allocations(self) -> int | None:
+        moved = self.engine.cache.data_ptrs() != self._pointers
+        return self.tracker.allocations + int(moved)
+
+    def close(self) -> None:
+        self.engine.close(drain=True, timeout=120)
+
+
+# --- running a stream -------------------------------------------------------------------------------------------
+def run_stream(strategy: Strategy, stream: list[LoadRequest], rate: float, *, timeout: float) -> None:
+    """Submit every request at its arrival time (open loop), then wait (at most `timeout` s) for every outcome."""
+    strategy.start()
+    start = time.perf_counter()
+    for request in stream:
+        wait = start + request.arrival / rate - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        strategy.submit(request, time.perf_counter())
+    deadline = time.perf_counter() + timeout
+    try:
+        while any(math.isnan(outcome.done) for outcome in list(strategy.outcomes.values())):
+            if time.perf_counter() > deadline:
+                raise TimeoutError(f"{strategy.name}: the stream did not finish within {timeout} s")
+            time.sleep(0.005)
+    finally:
+        strategy.stop()
+
+
+def summarize(model: str, strategy: Strategy, rate: float, reference: dict | None) -> LoadRow:
+    outcomes = [strategy.outcomes[index] for index in sorted(strategy.outcomes)]
+    served = [outcome for outcome in outcomes if outcome.error is None]
+    span = max(outcome.done for outcome in outcomes) - min(outcome.arrival for outcome in outcomes)
+    latencies = sorted(outcome.done - outcome.arrival for outcome in served)
+    first = [outcome.first_token - outcome.arrival for outcome in served if not math.isnan(outcome.first_token)]
+    tokens = sum(len(outcome.tokens) for outcome in served)
+    equal = sum(
+        reference is None or (outcome.tokens == reference.get(index))
+        for index, outcome in sorted(strategy.outcomes.items())
+        if outcome.error is None
+    )
+    return LoadRow(
+        model=model,
+        strategy=strategy.name,
+        offered_rps=rate,
+        completed_rps=len(served) / span if span > 0 else math.nan,
+        tokens_per_s=tokens / span if span > 0 else math.nan,
+        p50_s=_percentile(latencies, 50),
+        p95_s=_percentile(latencies, 95),
+        p99_s=_percentile(latencies, 99),
+        ttft_p50_s=_percentile(sorted(first), 50),
+        mean_seats=statistics.fmean(strategy.seats) if strategy.seats else math.nan,
+        cache_allocations=strategy.allocations(),
+        tokens_equal=equal,
+        num_requests=len(outcomes),
+        failed=len(outcomes) - len(served),
+        compile_s=strategy.compile_s,
+        notes=list(strategy.notes),
+    )
+
+
+def _percentile(values: list[float], percent: float) -> float:
+    if not values:
+        return math.nan
+    rank = min(len(values) - 1, max(0, math.ceil(percent / 100 * len(values)) - 1))
+    return values[rank]
+
+
+def build_strategies(names, upstream, flex, *, args, max_encoder_len: int) -> list[Strategy]:
+    capacities = {"max_batch_size": args.max_batch_size, "max_cache_len": args.max_new_tokens + 1}
+    capacities["max_encoder_len"] = max_encoder_len
+    strategies = []
+    for name in names:
+        if name == "one-at-a-time":
+            strategies.append(OneAtATime(upstream))
+        elif name == "static-batching":
+            strategies.append(
+                StaticBatching(
+                    flex,
+                    cache_config={**capacities, "on_overflow": "error"},
+                    max_batch_size=args.max_batch_size,
+                    timeout=args.batch_timeout,
+                )
+            )
+        elif name == "in-flight":
+            strategies.append(InFlight(flex, cache_config=capacities, max_queue=args.max_queue))
+        elif name == "in-flight-compiled":
+            if args.quick:  # one graph, traced by dynamo and run eagerly: the path, not the speed
+                compile_config, shapes = _quick_compile_config(), {"shape_policy": "padded"}
+            else:
+                compile_config = compile_config_for_cpu()
+                shapes = {"shape_policy": "bucketed", "buckets": _buckets(capacities)}
+            strategy = InFlight(
+                flex, cache_config={**capacities, **shapes}, compile_config=compile_config, max_queue=args.max_queue
+            )
+            if args.quick:
+                strategy.notes.append("--quick: compiled with dynamo's eager backend (no inductor), padded policy")
+            strategies.append(strategy)
+        elif name == "ctranslate2":
+            strategies.append(
+                CTranslate2Batching(
+                    upstream, threads=args.threads, max_batch_size=args.max_batch_size, timeout=args.batch_timeout
+                )
+            )
+        else:
+            raise ValueError(f"unknown strategy {name!r}; choose from {list(STRATEGIES)}")
+    return strategies
+
+
+def _buckets(capacities: dict) -> dict:
+    """Two buckets of seats, decoder length and encoder length: 8 decode graphs, within dynamo's default limit."""
+    return {name: [max(1, capacities[name] // 2)] for name in ("max_batch_size", "max_cache_len", "max_encoder_len")}
+
+
+def _quick_compile_config():
+    from transformers import CompileConfig
+
+    config = CompileConfig(backend="eager", fullgraph=True, dynamic=False)
+    config._compile_all_devices = True
+    return config
+
+
+def goals(rows: list[LoadRow]) -> list[str]:
+    """The issue's goals, read off the rows of one model."""
+    by = {(row.strategy, row.offered_rps): row for row in rows}
+    loads = sorted({row.offered_rps for row in rows})
+    static = [by.get(("static-batching", load)) for load in loads]
+    if not any(static) or not any(("in-flight-compiled", load) in by for load in loads):
+        return ["goals need the static-batching and in-flight-compiled strategies"]
+    saturated = next((row for row in static if row and row.completed_rps < 0.9 * row.offered_rps), None)
+    where = saturated or static[-1]
+    lines = [
+        f"static batching saturates at {where.offered_rps:.2f} req/s offered "
+        f"({where.completed_rps:.2f} completed)" + ("" if saturated else " (did not saturate: highest load)")
+    ]
+    engine = by.get(("in-flight-compiled", where.offered_rps))
+    lines.append(
+        f"in-flight compiled / static batching there: throughput {engine.completed_rps / where.completed_rps:.2f}x "
+        f"(goal >= 1.5x), p99 {engine.p99_s / where.p99_s:.2f}x (goal <= 0.5x)"
+    )
+    peer = by.get(("ctranslate2", where.offered_rps))
+    if peer is not None:
+        lines.append(
+            f"in-flight compiled / CTranslate2 there: throughput {engine.completed_rps / peer.completed_rps:.2f}x "
+            f"(goal >= 1x), p99 {engine.p99_s / peer.p99_s:.2f}x (goal <= 1x)"
+        )
+    return lines
+
+
+COLUMNS = [
+    ("strategy", "strategy", "{}"),
+    ("offered_rps", "offered req/s", "{:.2f}"),
+    ("completed_rps", "req/s", "{:.2f}"),
+    ("tokens_per_s", "tok/s", "{:.1f}"),
+    ("p50_s", "p50 s", "{:.2f}"),
+    ("p95_s", "p95 s", "{:.2f}"),
+    ("p99_s", "p99 s", "{:.2f}"),
+    ("ttft_p50_s", "TTFT p50 s", "{:.2f}"),
+    ("mean_seats", "seats", "{:.1f}"),
+    ("cache_allocations", "cache allocs", "{}"),
+    ("tokens_equal", "tokens equal", "{}"),
+]
+
+
+def format_table(rows: list[LoadRow]) -> str:
+    header = [title for _, title, _ in COLUMNS]
+    cells = [
+        [
+            (
+                "-"
+                if getattr(row, key) is None or getattr(row, key) != getattr(row, key)
+                else fmt.format(getattr(row, key))
+            )
+            + (f"/{row.num_requests}" if key == "tokens_equal" else "")
+            for key, _, fmt in COLUMNS
+        ]
+        for row in rows
+    ]
+    widths = [max(len(line[i]) for line in [header, *cells]) for i in range(len(header))]
+    lines = [
+        " | ".join(text.ljust(width) for text, width in zip(line, widths, strict=True)) for line in [header, *cells]
+    ]
+    lines.insert(1, "-+-".join("-" * width for width in widths))
+    return "\n".join(lines)
+
+
+# --- the command ------------------------------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--models", default=",".join(SERVE_MODELS), help="comma-separated: t5, marian")
+    parser.add_argument(
+        "--strategies", default=",".join(STRATEGIES), help="comma-separated, from " + ", ".join(STRATEGIES)
+    )
+    parser.add_argument("--quick", action="store_true", help="tiny models, a short stream (tests, a first look)")
+    parser.add_argument("--requests", type=int, default=None, help="requests per load (default 48, --quick 8)")
+    parser.add_argument(
+        "--loads",
+        default=None,
+        help="offered loads in req/s, comma-separated (default: 1, 2, 4 and 8 times one-at-a-time's measured rate)",
+    )
+    parser.add_argument("--max-batch-size", type=int, default=8, help="seats, and the static batches' size")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="the largest max_new_tokens (64, quick 8)")
+    parser.add_argument("--batch-timeout", type=float, default=0.05, help="static batching: seconds to wait for more")
+    parser.add_argument("--max-queue", type=int, default=1024, help="the engine's queue (the stream never overflows)")
+    parser.add_argument("--threads", type=int, default=1, help="torch (and CTranslate2) intra-op threads")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds a stream may take before it fails")
+    parser.add_argument("--json", default=None, help="write every row and the goals to this JSON file")
+
+
+def run(args, parser=None) -> int:
+    torch.set_num_threads(args.threads)
+    args.requests = args.requests or (8 if args.quick else 48)
+    args.max_new_tokens = args.max_new_tokens or (8 if args.quick else 64)
+    names = [name.strip() for name in args.strategies.split(",") if name.strip()]
+    if "one-at-a-time" not in names:
+        names.insert(0, "one-at-a-time")  # its tokens are the reference of the others
+    machine = machine_info(args.threads)
+    print(
+        f"machine: {machine['cpu']} ({_isa()}), {machine['cpu_count']} cores, {args.threads} thread(s), load average "
+        f"{machine['load_average_at_start']}; torch {machine['torch']}, transformers {machine['transformers']}, "
+        f"ctranslate2 {machine['ctranslate2']}"
+    )
+    report = {
+        "command": {k: v for k, v in vars(args).items() if k not in ("handler", "subparser")},
+        "machine": machine,
+    }
+    report["models"] = {}
+    all_equal = True
+    for model_name in [name.strip() for name in args.models.split(",") if name.strip()]:
+        bench_model = BENCH_MODELS[model_name]
+        upstream, flex = build_models(bench_model, quick=args.quick, seed=args.seed)
+        stream = make_stream(upstream.config, num_requests=args.requests, seed=args.seed, quick=args.quick)
+        max_encoder_len = max(request.input_ids.shape[1] for request in stream)
+        strategies = build_strategies(names, upstream, flex, args=args, max_encoder_len=max_encoder_len)
+        base_rate = _service_rate(strategies[0], stream)
+        loads = (
+            [float(load) for load in args.loads.split(",")]
+            if args.loads
+            else [round(base_rate * multiple, 3) for multiple in LOAD_MULTIPLES]
+        )
+        rows = []
+        for rate in loads:
+            reference = None
+            for strategy in strategies:
+                run_stream(strategy, stream, rate, timeout=args.timeout)
+                row = summarize(model_name, strategy, rate, reference)
+                if strategy.name == "one-at-a-time":
+                    reference = {index: outcome.tokens for index, outcome in strategy.outcomes.items()}
+                    row.tokens_equal = row.num_requests - row.failed
+                rows.append(row)
+                all_equal &= row.tokens_equal == row.num_requests or strategy.name == "ctranslate2"
+        for strategy in strategies:
+            strategy.close()
+        print(
+            f"\n{model_name} ({bench_model.description if not args.quick else 'tiny'}): {len(stream)} requests per "
+            f"load, one-at-a-time serves {base_rate:.2f} req/s"
+        )
+        print(format_table(rows))
+        compile_s = {row.strategy: row.compile_s for row in rows if row.compile_s is not None}
+        if compile_s:
+            print(
+                "compile and warm-up (excluded from the rows): "
+                + ", ".join(f"{k} {v:.0f} s" for k, v in compile_s.items())
+            )
+        notes = sorted({note for row in rows for note in row.notes})
+        for note in notes:
+            print(f"note: {note}")
+        verdict = goals(rows)
+        for line in verdict:
+            print(line)
+        report["models"][model_name] = {"rows": [asdict(row) for row in rows], "goals": verdict, "loads": loads}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2, default=str)
+    return 0 if all_equal else 1
+
+
+def _isa() -> str:
+    """The vector extensions the CPU has that matter to the figures (AVX2, AVX-512, its bf16 and AMX)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next(line for line in f if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return "ISA unknown"
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8", "avx512_vnni", "avx_vnni")
+    return " ".join(flag for flag in wanted if flag in flags) or "no AVX2"
+
+
+def _service_rate(one_at_a_time: Strategy, stream: list[LoadRequest]) -> float:
+    """Requests per second that one-at-a-time serves, from its first three requests run back to back."""
+    sample = stream[:3]
+    start = time.perf_counter()
+    run_stream(
+        one_at_a_time,
+        [LoadRequest(i, 0.0, r.input_ids, r.max_new_tokens) for i, r in enumerate(sample)],
+        1.0,
+        timeout=600,
+    )
+    return len(sample) / (time.perf_counter() - start)

@@ -553,6 +553,14 @@ class FlexibleSeatEncoderDecoderCache(EncoderDecoderCache):
             raise _not_in_a_step("cross_attention_kv")
         return layer.get_kv(cross.steps.span, cross.steps.window)
 
+    def write_cross_attention(
+        self, layer_idx: int, rows: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> None:
+        """Write the cross-attention keys and values of new requests into seats `rows` (`[A]`) of layer `layer_idx`,
+        outside a forward: `key_states` `[A, H, E, D]`, projected by the model's own cross-attention module."""
+        layer = self.cross_attention_cache.layers[layer_idx]
+        layer.write_rows(rows.to(layer.device), key_states, value_states)
+
     def get_kv(self, layer_idx: int, batch_size: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Self-attention keys and values (see `FlexibleSeatCache.get_kv`)."""
         return self.self_attention_cache.get_kv(layer_idx, batch_size, length)

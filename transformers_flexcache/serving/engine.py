@@ -149,6 +149,7 @@ class Engine:
         self.pad_token_id = _pad_token_id(model)
         self.output_type = steps.OUTPUT_TYPES[self.is_encoder_decoder]
         self.encoder_dummy = self._encoder_dummy() if self.is_encoder_decoder else None
+        self.cross_attention_modules = self._cross_attention_modules() if self.is_encoder_decoder else None
         self.encoder_takes_mask = self.is_encoder_decoder and (
             "attention_mask" in inspect.signature(model.get_encoder().forward).parameters
         )
@@ -167,7 +168,15 @@ class Engine:
         self._stops: dict[int, str] = {}  # the running requests that stop at this step (see `_plan`)
         self._rank = _tensor_parallel_rank(model)
         self.is_leader = self._rank in (None, 0)
-        self.stats = {"submitted": 0, "finished": 0, "failed": 0, "cancelled": 0, "decode_steps": 0, "rows": 0}
+        self.stats = {
+            "submitted": 0,
+            "finished": 0,
+            "failed": 0,
+            "cancelled": 0,
+            "decode_steps": 0,
+            "rows": 0,  # rows decoded, summed over decode steps
+            "joined": 0,  # encoder-decoder requests whose first token was decoded in a decode step (no prefill)
+        }
         self._scheduler = threading.Thread(target=self._run, name="flexcache-engine", daemon=True)
         self._scheduler.start()
 
@@ -234,6 +243,16 @@ class Engine:
         names = inspect.signature(self.model.forward).parameters
         key = "decoder_position_ids" if self.is_encoder_decoder else "position_ids"
         return key if key in names else None
+
+    def _cross_attention_modules(self) -> dict | None:
+        """`{layer_idx: cross-attention module}` when every one projects its keys as the model's forward does
+        (`_flex_project_kv`, which each override's cross-attention path calls), else None: no request skips its
+        prefill then."""
+        _, cross = attention_modules(self.model)
+        modules = dict(sorted(cross.items()))
+        if len(modules) != len(self.cache.cross_attention_cache.layers):
+            return None
+        return modules if all(hasattr(module, "_flex_project_kv") for module in modules.values()) else None
 
     def _encoder_dummy(self) -> torch.Tensor:
         """`[1, 1, d]` zeros: the encoder states a decode step passes (only their batch size is read)."""
@@ -639,7 +658,14 @@ class Engine:
             if encoding:
                 self._answer(encoding, steps.run_encoders(self, encoding))
                 continue
-            prefilling = [worker for worker in self._pending("forward") if worker.pending.payload[0].length == 0]
+            prefilling = [worker for worker in self._pending("forward") if not worker.pending.payload[0].admitted]
+            joining = [worker for worker in prefilling if self._joins(worker)]
+            if joining:
+                self.stats["joined"] += len(joining)
+                for worker, (_, error) in zip(joining, steps.run_joins(self, joining), strict=True):
+                    if error is not None:
+                        self._resume(worker, error=error)
+                continue
             if prefilling:
                 self._answer(prefilling, steps.run_prefills(self, prefilling))
                 continue
@@ -652,6 +678,16 @@ class Engine:
                 self.stats["decode_steps"] += 1
                 self.stats["rows"] += sum(len(worker.pending.payload[0].rows) for worker in decoding)
                 self._answer(decoding, steps.run_decode(self, decoding))
+
+    def _joins(self, worker: RequestWorker) -> bool:
+        """Whether a request's first model call can be its first decode step (see `steps.run_joins`)."""
+        _, model_inputs = worker.pending.payload
+        return (
+            self.is_encoder_decoder
+            and self.cross_attention_modules is not None
+            and model_inputs[self.input_ids_key].shape[1] == 1
+            and model_inputs.get("decoder_attention_mask") is None
+        )
 
     def _pending(self, kind: str) -> list[RequestWorker]:
         found = []

@@ -9,7 +9,9 @@ own inputs make the model raise fails alone (its batch is run again without it),
 
 Design decisions:
 - Encoders and prefills run eagerly, at the admitted requests' own shapes (right-padded to the longest, with masks):
-  they run once per request. Only the decode step has fixed shapes (and may be compiled).
+  they run once per request. Only the decode step has fixed shapes (and may be compiled). An encoder-decoder request
+  whose decoder prompt is its start token alone needs no prefill: its cross-attention keys are written into its
+  seats (`run_joins`) and its first token is decoded in the decode step, with everyone else's.
 - A prefill runs on the seat cache in admission mode: the model builds its masks and positions from the 2D masks, as
   in `generate`; the keys land in the requests' seats. Models with linear-attention (Mamba) layers are admitted in
   groups of equal prompt length: a recurrent state cannot skip right padding.
@@ -208,10 +210,36 @@ def _prefill(engine, workers: list[RequestWorker]) -> list:
     for (seats, _), length in zip(items, prompt_lens, strict=True):
         count = len(seats.rows)
         seats.length = length
+        seats.admitted = True
         engine.note_admitted(seats)
         results.append(engine.output_type(logits=logits[start : start + count, None], cache=seats))
         start += count
     return results
+
+
+def run_joins(engine, workers: list[RequestWorker]) -> list[tuple]:
+    """Encoder-decoder requests whose decoder prompt is one token (the start token) skip the prefill: their
+    cross-attention keys and values are projected by the model's own cross-attention modules and written into their
+    seats, and their first token is decoded in the next decode step with everyone else's (column 0). Returns
+    `(None, error)` per worker: None when it joined (it is answered by the decode step)."""
+    return _isolating(lambda ws: _join(engine, ws), workers, stateless=True)
+
+
+def _join(engine, workers: list[RequestWorker]) -> list:
+    items = [worker.pending.payload for worker in workers]  # (seats, model_inputs)
+    kwargs: dict = {}
+    encoder_valid = _add_encoder_inputs(engine, items, kwargs)  # batched, right-padded encoder states and masks
+    states = kwargs["encoder_outputs"][0]  # [A, E, d]
+    rows = torch.cat([seats.rows for seats, _ in items])
+    for layer_idx, module in engine.cross_attention_modules.items():
+        key_states, value_states = module._flex_project_kv(states)  # each override's projection, as in its forward
+        engine.cache.write_cross_attention(layer_idx, rows, key_states, value_states)
+    no_columns = torch.zeros((len(rows), 0), dtype=torch.bool)
+    engine.cache.admit(rows, no_columns, torch.zeros(len(rows), dtype=torch.long), encoder_valid)
+    for seats, _ in items:
+        seats.admitted = True  # its pending call (the first model call) is answered by the decode step
+        engine.note_admitted(seats)
+    return [None] * len(items)
 
 
 def _add_encoder_inputs(engine, items: list, kwargs: dict) -> torch.Tensor:

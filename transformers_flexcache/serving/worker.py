@@ -76,6 +76,7 @@ class RequestSeats(Cache):
         self.rows = rows  # [R] seats, in the order of the request's rows
         self.encoder_len = encoder_len
         self.length = 0  # decoder columns written by this generate call
+        self.admitted = False  # its prefill ran (or it joined the decode step): its model calls are decode steps
         self._flags = layer_flags
         self._closed = False
 

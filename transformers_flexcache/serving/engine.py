@@ -27,59 +27,23 @@ import contextlib
 import heapq
 import inspect
 import itertools
-import os
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
-from transformers.generation.configuration_utils import GenerationMode
 from transformers.modeling_outputs import ModelOutput
 
-from ..cache import CacheConfig, layer_specs_for_model
+from ..cache import layer_specs_for_model
 from ..cache.config import Overflow, overflow_message
 from ..cache.placement import KEY_PROJECTION_NAMES, attention_modules
 from ..cache.seats import FlexibleSeatCache, FlexibleSeatEncoderDecoderCache
 from ..compilation import compile_settings
 from . import steps
 from .handle import EngineClosedError, QueueFullError, RequestCancelledError, RequestHandle
+from .lockstep import HEARTBEAT_S, StepPlan, share, tensor_parallel_rank
+from .requests import check_request, engine_config, pad_token_id_of
 from .worker import RequestSpec, RequestWorker
-
-# Decoding methods the engine runs: those whose loop makes one model call per step for every row.
-SERVED_MODES = (
-    GenerationMode.GREEDY_SEARCH,
-    GenerationMode.SAMPLE,
-    GenerationMode.BEAM_SEARCH,
-    GenerationMode.BEAM_SAMPLE,
-)
-# `generate` arguments the engine decides itself, or cannot honour for one request among others.
-REFUSED_KWARGS = {
-    "cache": "the engine owns the cache",
-    "past_key_values": "the engine owns the cache",
-    "cache_implementation": "the engine owns the cache",
-    "cache_config": "capacities are the engine's (Engine(model, cache_config=...))",
-    "compile_config": "compiling is the engine's (Engine(model, compile_config=...))",
-    "streamer": "iterate the handle for the new tokens",
-    "assistant_model": "assisted decoding is not served (its candidate steps are not one token per row)",
-    "prompt_lookup_num_tokens": "prompt-lookup decoding is not served (its candidate steps are not one token per row)",
-    "output_attentions": "attention weights of a batched step are not one request's",
-    "output_hidden_states": "hidden states of a batched step are not one request's",
-    "synced_gpus": "the engine steps on one process",
-}
-# Model inputs a request may pass; any other tensor is refused rather than dropped.
-MODEL_INPUTS = (
-    "input_ids",
-    "attention_mask",
-    "decoder_input_ids",
-    "decoder_attention_mask",
-    "input_features",
-    "flattened_patches",
-    "encoder_outputs",
-)
-ENGINE_CONFIG_KEYS = ("max_batch_size", "max_cache_len", "max_encoder_len", "shape_policy", "buckets")
-HEARTBEAT_S = 5.0  # tensor parallel: an idle rank 0 tells the others it is alive this often (their collectives wait)
-_FIFO = itertools.count()
 
 
 class Engine:
@@ -123,7 +87,7 @@ class Engine:
                 "transformers_flexcache.convert(model) first (or load it after transformers_flexcache.register())"
             )
         self.model = model
-        self.config = _engine_config(model, cache_config)
+        self.config = engine_config(model, cache_config)
         if compile_config is not None and self.config.shape_policy == "exact":
             raise ValueError(
                 'compile_config needs fixed shapes: pass cache_config={"shape_policy": "bucketed", ...} (or "padded") '
@@ -146,7 +110,7 @@ class Engine:
         self.input_ids_key = "decoder_input_ids" if self.is_encoder_decoder else "input_ids"
         self.position_ids_key = self._position_ids_key()
         self.encoder_mask_key = getattr(model, "_flex_encoder_mask_key", "attention_mask")
-        self.pad_token_id = _pad_token_id(model)
+        self.pad_token_id = pad_token_id_of(model)
         self.output_type = steps.OUTPUT_TYPES[self.is_encoder_decoder]
         self.encoder_dummy = self._encoder_dummy() if self.is_encoder_decoder else None
         self.cross_attention_modules = self._cross_attention_modules() if self.is_encoder_decoder else None
@@ -166,7 +130,7 @@ class Engine:
         self._closed = False
         self._model_lock = threading.RLock()  # the scheduler's model work, and warmup
         self._stops: dict[int, str] = {}  # the running requests that stop at this step (see `_plan`)
-        self._rank = _tensor_parallel_rank(model)
+        self._rank = tensor_parallel_rank(model)
         self.is_leader = self._rank in (None, 0)
         self.stats = {
             "submitted": 0,
@@ -184,7 +148,7 @@ class Engine:
     def nbytes_for(model, cache_config: dict) -> int:
         """Bytes an engine for `model` with these capacities allocates for its seats, without allocating them (each
         layer sized as `layer_specs_for_model` places it: heads of this tensor-parallel rank, the layer's dtype)."""
-        config = _engine_config(model, cache_config)
+        config = engine_config(model, cache_config)
         specs, cross_specs = layer_specs_for_model(model)
         if model.config.is_encoder_decoder:
             return FlexibleSeatEncoderDecoderCache.nbytes_for(
@@ -347,7 +311,7 @@ class Engine:
                 f"this is rank {self._rank} of a tensor-parallel model: requests go to rank 0's engine, and this one "
                 "follows it (call engine.follow())"
             )
-        spec = self._checked_request(seed, kwargs)
+        spec = check_request(self, seed, kwargs, on_cancel=self._cancel)
         with self._lock:
             if self._closing:
                 raise EngineClosedError("the engine is closed: it takes no new requests")
@@ -478,90 +442,6 @@ class Engine:
     def __exit__(self, exc_type, exc, traceback) -> None:
         self.close(drain=exc_type is None)
 
-    # --- submit's checks --------------------------------------------------------------------------------------
-    def _checked_request(self, seed: int | None, kwargs: dict) -> RequestSpec:
-        for name, reason in REFUSED_KWARGS.items():
-            if kwargs.get(name) not in (None, False):
-                raise ValueError(f"Engine.submit does not take {name}: {reason}")
-        if kwargs.get("use_cache") is False:
-            raise ValueError("Engine.submit does not take use_cache=False: the engine serves from its cache")
-        for name, value in kwargs.items():
-            if isinstance(value, (torch.Tensor, ModelOutput)) and name not in MODEL_INPUTS:
-                raise ValueError(
-                    f"Engine.submit does not take the model input {name!r}: the engine's batched steps would drop it; "
-                    f"it takes {list(MODEL_INPUTS)}"
-                )
-            batch = _batch_of(value)
-            if batch is not None and batch != 1:
-                raise ValueError(
-                    f"Engine.submit takes one request: {name} has batch {batch}; submit each row on its own (the "
-                    "engine batches requests itself)"
-                )
-        generation_kwargs = {k: v for k, v in kwargs.items() if k not in MODEL_INPUTS}
-        generation_config, _ = self.model._prepare_generation_config(
-            generation_kwargs.pop("generation_config", None), **dict(generation_kwargs)
-        )
-        mode = generation_config.get_generation_mode()
-        if mode not in SERVED_MODES:
-            raise ValueError(
-                f"Engine.submit serves greedy search, sampling and beam search (with sampling), not {mode.value}"
-            )
-        num_beams, num_sequences = generation_config.num_beams or 1, generation_config.num_return_sequences or 1
-        # As many rows as generate uses for it alone; Whisper's generate repeats the input per returned sequence first.
-        num_seats = num_beams * num_sequences if _is_whisper_like(self.model) else max(num_beams, num_sequences)
-        inputs = {name: kwargs[name] for name in MODEL_INPUTS if name in kwargs}
-        self._check_fits(generation_config, inputs, num_seats)
-        forwarded = {k: v for k, v in kwargs.items() if k not in inputs}
-        forwarded["use_cache"] = True
-        if self.tokenizer is not None and generation_config.stop_strings and "tokenizer" not in forwarded:
-            forwarded["tokenizer"] = self.tokenizer
-        stream = generation_config.num_beams == 1 and not _is_whisper_like(self.model)
-        handle = RequestHandle(request_id=-1, num_seats=num_seats, on_cancel=self._cancel)
-        return RequestSpec(
-            inputs=inputs,
-            generation_kwargs=forwarded,
-            num_seats=num_seats,
-            seed=seed if seed is not None else int.from_bytes(os.urandom(7), "little"),
-            stream=stream,
-            handle=handle,
-            prompt_len=self._prompt_len(inputs),
-        )
-
-    def _prompt_len(self, inputs: dict) -> int:
-        """Columns of `generate`'s result that come before the new tokens (known ahead for most models)."""
-        if self.is_encoder_decoder:
-            decoder_ids = inputs.get("decoder_input_ids")
-            return decoder_ids.shape[1] if decoder_ids is not None else 1
-        return inputs["input_ids"].shape[1] if "input_ids" in inputs else 0
-
-    def _check_fits(self, generation_config, inputs: dict, num_seats: int) -> None:
-        prompt_len = self._prompt_len(inputs)
-        if generation_config.max_new_tokens is not None:
-            positions = prompt_len + generation_config.max_new_tokens - 1
-        else:
-            positions = generation_config.max_length - 1
-        need = {"max_batch_size": num_seats, "max_cache_len": positions}
-        encoder_len = self._encoder_len(inputs)
-        if encoder_len is not None:
-            need["max_encoder_len"] = encoder_len
-        limits = {"max_batch_size": self.max_batch_size, "max_cache_len": self.max_cache_len}
-        limits["max_encoder_len"] = self.max_encoder_len
-        exceeded = [Overflow(name, value, limits[name]) for name, value in need.items() if value > limits[name]]
-        if exceeded:
-            raise ValueError(f"this request can never fit the engine: {overflow_message(exceeded)}")
-
-    def _encoder_len(self, inputs: dict) -> int | None:
-        if not self.is_encoder_decoder:
-            return None
-        if inputs.get("encoder_outputs") is not None:
-            return inputs["encoder_outputs"][0].shape[1]
-        if "input_features" in inputs:
-            return getattr(self.model.config, "max_source_positions", None)
-        for name in ("input_ids", "flattened_patches"):
-            if name in inputs:
-                return inputs[name].shape[1]
-        return None
-
     # --- the scheduler ----------------------------------------------------------------------------------------
     def _cancel(self, handle: RequestHandle) -> None:
         with self._lock:
@@ -581,7 +461,11 @@ class Engine:
         try:
             with torch.no_grad():
                 while True:
-                    plan = self._shared(self._plan() if self.is_leader else None)
+                    plan = self._plan() if self.is_leader else None
+                    if self._rank is not None:  # every rank runs rank 0's plan
+                        plan = share(plan, leader=self.is_leader)
+                        if not self.is_leader:
+                            self._claim(plan)
                     if plan.exit:
                         return
                     with self._model_lock:
@@ -593,14 +477,21 @@ class Engine:
             self._fail_everything(error)
             raise
 
-    def _plan(self) -> _StepPlan:
+    def _claim(self, plan: StepPlan) -> None:
+        """A follower takes the seats rank 0 gave each admitted request."""
+        taken = {seat for _, seats in plan.admitted for seat in seats}
+        with self._lock:
+            self._free_seats = [seat for seat in self._free_seats if seat not in taken]
+            heapq.heapify(self._free_seats)
+
+    def _plan(self) -> StepPlan:
         """What the next step does: admissions (first come first served) and which running requests stop."""
         with self._lock:
             while not self._has_work():
                 if not self._lock.wait(HEARTBEAT_S if self._rank is not None else None):
-                    return _StepPlan()  # tensor parallel: tell the other ranks the leader is alive
+                    return StepPlan()  # tensor parallel: tell the other ranks rank 0 is alive
             if self._closing and not self._workers and (not self._drain or not self._queue):
-                return _StepPlan(exit=True)
+                return StepPlan(exit=True)
             admitted = []
             while (
                 self._queue
@@ -615,34 +506,7 @@ class Engine:
                     stops[worker.handle.request_id] = "cancelled"
                 elif self._closing and not self._drain:
                     stops[worker.handle.request_id] = "closed"
-        return _StepPlan(admitted=admitted, stops=stops)
-
-    def _shared(self, plan: _StepPlan | None) -> _StepPlan:
-        """Under tensor parallelism, rank 0's plan goes to every rank, so that all run the same steps (their
-        forwards meet in collectives); the other ranks take the same seats for the same requests."""
-        if self._rank is None:
-            return plan
-        import torch.distributed as dist
-
-        message = [None]
-        if self.is_leader:
-            message[0] = (
-                [(spec.handle.request_id, spec.wire(), seats) for spec, seats in plan.admitted],
-                plan.stops,
-                plan.exit,
-            )
-        dist.broadcast_object_list(message, src=0)
-        if self.is_leader:
-            return plan
-        admitted_wire, stops, exit_ = message[0]
-        admitted = []
-        for request_id, wire, seats in admitted_wire:
-            handle = RequestHandle(request_id=request_id, num_seats=len(seats), on_cancel=lambda handle: None)
-            admitted.append((RequestSpec.from_wire(wire, handle=handle), seats))
-            with self._lock:
-                self._free_seats = [seat for seat in self._free_seats if seat not in seats]
-                heapq.heapify(self._free_seats)
-        return _StepPlan(admitted=admitted, stops=stops, exit=exit_)
+        return StepPlan(admitted=admitted, stops=stops)
 
     def _start(self, spec: RequestSpec, seats: list[int]) -> None:
         worker = RequestWorker(engine=self, spec=spec, seats=seats)
@@ -759,77 +623,6 @@ class Engine:
             self._queue.clear()
             for worker in self._workers:
                 worker.handle.finish(error=failure)
-
-
-@dataclass
-class _StepPlan:
-    """What one scheduler step does, decided by rank 0: the requests admitted (with their seats), the running ones
-    that stop (`request_id -> "cancelled" | "closed"`), or the end."""
-
-    admitted: list = field(default_factory=list)
-    stops: dict = field(default_factory=dict)
-    exit: bool = False
-
-
-def _tensor_parallel_rank(model) -> int | None:
-    """This process's rank when `model` is sharded with a `tp_plan` over several processes, else None."""
-    if (getattr(model, "tp_size", None) or 1) <= 1:
-        return None
-    import torch.distributed as dist
-
-    if dist.get_world_size() != model.tp_size:
-        raise ValueError(
-            f"the engine steps every rank of a tensor-parallel model together and takes rank 0's requests: it needs "
-            f"the model sharded over the whole world (tp_size={model.tp_size}, world size {dist.get_world_size()}); "
-            "run one engine per tensor-parallel group in processes of their own"
-        )
-    return dist.get_rank()
-
-
-def _engine_config(model, cache_config) -> CacheConfig:
-    if not isinstance(cache_config, dict):
-        raise TypeError("cache_config must be a dict such as {'max_batch_size': 8, 'max_cache_len': 64}")
-    unknown = sorted(set(cache_config) - set(ENGINE_CONFIG_KEYS))
-    if unknown:
-        raise ValueError(
-            f"cache_config keys {unknown} do not apply to the serving engine; it takes {list(ENGINE_CONFIG_KEYS)}"
-        )
-    cache_config = dict(cache_config)
-    if model.config.is_encoder_decoder and "max_encoder_len" not in cache_config:
-        default = getattr(model.config, "max_source_positions", None)  # Whisper: its fixed encoder length
-        if default is not None:
-            cache_config["max_encoder_len"] = default
-    config = CacheConfig.parse(cache_config)
-    needed = ["max_batch_size", "max_cache_len"] + (["max_encoder_len"] if model.config.is_encoder_decoder else [])
-    missing = [name for name in needed if getattr(config, name) is None]
-    if missing:
-        raise ValueError(
-            f"the engine allocates its seats up front: cache_config needs {missing} (e.g. "
-            '{"max_batch_size": 8, "max_cache_len": 128, "max_encoder_len": 128})'
-        )
-    return config
-
-
-def _pad_token_id(model) -> int:
-    for config in (model.generation_config, model.config):
-        value = getattr(config, "pad_token_id", None)
-        if isinstance(value, int):
-            return value
-    return 0
-
-
-def _is_whisper_like(model) -> bool:
-    from ..generation import FlexCacheInnerGenerateMixin
-
-    return isinstance(model, FlexCacheInnerGenerateMixin)
-
-
-def _batch_of(value) -> int | None:
-    if isinstance(value, torch.Tensor):
-        return value.shape[0] if value.dim() > 0 else None
-    if isinstance(value, ModelOutput):
-        return _batch_of(value[0])
-    return None
 
 
 def _without_cache(output):

@@ -1,0 +1,202 @@
+"""What a request of the serving engine may be: `submit`'s checks, before anything is queued.
+
+A request is what `model.generate` takes for one input (batch 1) and its generation arguments. `check_request`
+resolves its generation config as `generate` will, and refuses, with the value, the limit and the fix, a request
+that can never fit the engine's capacities or that one request among others cannot have (its own cache, a streamer,
+assisted decoding, attention weights, a model input the batched steps would drop). Nothing here runs the model.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from transformers.generation.configuration_utils import GenerationMode
+from transformers.modeling_outputs import ModelOutput
+
+from ..cache import CacheConfig
+from ..cache.config import Overflow, overflow_message
+from .handle import RequestHandle
+from .worker import RequestSpec
+
+# Decoding methods the engine runs: those whose loop makes one model call per step for every row.
+SERVED_MODES = (
+    GenerationMode.GREEDY_SEARCH,
+    GenerationMode.SAMPLE,
+    GenerationMode.BEAM_SEARCH,
+    GenerationMode.BEAM_SAMPLE,
+)
+# `generate` arguments the engine decides itself, or cannot honour for one request among others.
+REFUSED_KWARGS = {
+    "cache": "the engine owns the cache",
+    "past_key_values": "the engine owns the cache",
+    "cache_implementation": "the engine owns the cache",
+    "cache_config": "capacities are the engine's (Engine(model, cache_config=...))",
+    "compile_config": "compiling is the engine's (Engine(model, compile_config=...))",
+    "streamer": "iterate the handle for the new tokens",
+    "assistant_model": "assisted decoding is not served (its candidate steps are not one token per row)",
+    "prompt_lookup_num_tokens": "prompt-lookup decoding is not served (its candidate steps are not one token per row)",
+    "output_attentions": "attention weights of a batched step are not one request's",
+    "output_hidden_states": "hidden states of a batched step are not one request's",
+    "synced_gpus": "the engine steps on one process",
+}
+# Model inputs a request may pass; any other tensor is refused rather than dropped.
+MODEL_INPUTS = (
+    "input_ids",
+    "attention_mask",
+    "decoder_input_ids",
+    "decoder_attention_mask",
+    "input_features",
+    "flattened_patches",
+    "encoder_outputs",
+)
+ENGINE_CONFIG_KEYS = ("max_batch_size", "max_cache_len", "max_encoder_len", "shape_policy", "buckets")
+
+
+def engine_config(model, cache_config) -> CacheConfig:
+    """The engine's capacities and shape policy, checked: every capacity set (Whisper's encoder length defaults to
+    its `max_source_positions`), no key of `generate`'s that the engine does not take.
+
+    Raises:
+        TypeError: `cache_config` is not a dict.
+        ValueError: an unknown key, a capacity missing or not a positive int.
+    """
+    if not isinstance(cache_config, dict):
+        raise TypeError("cache_config must be a dict such as {'max_batch_size': 8, 'max_cache_len': 64}")
+    unknown = sorted(set(cache_config) - set(ENGINE_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(
+            f"cache_config keys {unknown} do not apply to the serving engine; it takes {list(ENGINE_CONFIG_KEYS)}"
+        )
+    cache_config = dict(cache_config)
+    if model.config.is_encoder_decoder and "max_encoder_len" not in cache_config:
+        default = getattr(model.config, "max_source_positions", None)  # Whisper: its fixed encoder length
+        if default is not None:
+            cache_config["max_encoder_len"] = default
+    config = CacheConfig.parse(cache_config)
+    needed = ["max_batch_size", "max_cache_len"] + (["max_encoder_len"] if model.config.is_encoder_decoder else [])
+    missing = [name for name in needed if getattr(config, name) is None]
+    if missing:
+        raise ValueError(
+            f"the engine allocates its seats up front: cache_config needs {missing} (e.g. "
+            '{"max_batch_size": 8, "max_cache_len": 128, "max_encoder_len": 128})'
+        )
+    return config
+
+
+def check_request(engine, seed: int | None, kwargs: dict, *, on_cancel) -> RequestSpec:
+    """The `RequestSpec` of one `submit`: its inputs, the generate arguments its worker passes, its seats.
+
+    Raises:
+        ValueError: see `Engine.submit`.
+    """
+    for name, reason in REFUSED_KWARGS.items():
+        if kwargs.get(name) not in (None, False):
+            raise ValueError(f"Engine.submit does not take {name}: {reason}")
+    if kwargs.get("use_cache") is False:
+        raise ValueError("Engine.submit does not take use_cache=False: the engine serves from its cache")
+    for name, value in kwargs.items():
+        if isinstance(value, (torch.Tensor, ModelOutput)) and name not in MODEL_INPUTS:
+            raise ValueError(
+                f"Engine.submit does not take the model input {name!r}: the engine's batched steps would drop it; "
+                f"it takes {list(MODEL_INPUTS)}"
+            )
+        batch = _batch_of(value)
+        if batch is not None and batch != 1:
+            raise ValueError(
+                f"Engine.submit takes one request: {name} has batch {batch}; submit each row on its own (the "
+                "engine batches requests itself)"
+            )
+    model = engine.model
+    generation_kwargs = {k: v for k, v in kwargs.items() if k not in MODEL_INPUTS}
+    generation_config, _ = model._prepare_generation_config(
+        generation_kwargs.pop("generation_config", None), **dict(generation_kwargs)
+    )
+    mode = generation_config.get_generation_mode()
+    if mode not in SERVED_MODES:
+        raise ValueError(
+            f"Engine.submit serves greedy search, sampling and beam search (with sampling), not {mode.value}"
+        )
+    num_beams, num_sequences = generation_config.num_beams or 1, generation_config.num_return_sequences or 1
+    # As many rows as generate uses for it alone; Whisper's generate repeats the input per returned sequence first.
+    whisper_like = is_whisper_like(model)
+    num_seats = num_beams * num_sequences if whisper_like else max(num_beams, num_sequences)
+    inputs = {name: kwargs[name] for name in MODEL_INPUTS if name in kwargs}
+    _check_fits(engine, generation_config, inputs, num_seats)
+    forwarded = {k: v for k, v in kwargs.items() if k not in inputs}
+    forwarded["use_cache"] = True
+    if engine.tokenizer is not None and generation_config.stop_strings and "tokenizer" not in forwarded:
+        forwarded["tokenizer"] = engine.tokenizer
+    return RequestSpec(
+        inputs=inputs,
+        generation_kwargs=forwarded,
+        num_seats=num_seats,
+        seed=seed if seed is not None else int.from_bytes(os.urandom(7), "little"),
+        stream=generation_config.num_beams == 1 and not whisper_like,
+        handle=RequestHandle(request_id=-1, num_seats=num_seats, on_cancel=on_cancel),
+        prompt_len=_prompt_len(engine, inputs),
+    )
+
+
+def _prompt_len(engine, inputs: dict) -> int:
+    """Columns of `generate`'s result that come before the new tokens (known ahead for most models)."""
+    if engine.is_encoder_decoder:
+        decoder_ids = inputs.get("decoder_input_ids")
+        return decoder_ids.shape[1] if decoder_ids is not None else 1
+    return inputs["input_ids"].shape[1] if "input_ids" in inputs else 0
+
+
+def _check_fits(engine, generation_config, inputs: dict, num_seats: int) -> None:
+    prompt_len = _prompt_len(engine, inputs)
+    if generation_config.max_new_tokens is not None:
+        positions = prompt_len + generation_config.max_new_tokens - 1
+    else:
+        positions = generation_config.max_length - 1
+    need = {"max_batch_size": num_seats, "max_cache_len": positions}
+    encoder_len = _encoder_len(engine, inputs)
+    if encoder_len is not None:
+        need["max_encoder_len"] = encoder_len
+    limits = {
+        "max_batch_size": engine.max_batch_size,
+        "max_cache_len": engine.max_cache_len,
+        "max_encoder_len": engine.max_encoder_len,
+    }
+    exceeded = [Overflow(name, value, limits[name]) for name, value in need.items() if value > limits[name]]
+    if exceeded:
+        raise ValueError(f"this request can never fit the engine: {overflow_message(exceeded)}")
+
+
+def _encoder_len(engine, inputs: dict) -> int | None:
+    if not engine.is_encoder_decoder:
+        return None
+    if inputs.get("encoder_outputs") is not None:
+        return inputs["encoder_outputs"][0].shape[1]
+    if "input_features" in inputs:
+        return getattr(engine.model.config, "max_source_positions", None)
+    for name in ("input_ids", "flattened_patches"):
+        if name in inputs:
+            return inputs[name].shape[1]
+    return None
+
+
+def pad_token_id_of(model) -> int:
+    for config in (model.generation_config, model.config):
+        value = getattr(config, "pad_token_id", None)
+        if isinstance(value, int):
+            return value
+    return 0
+
+
+def is_whisper_like(model) -> bool:
+    """Whether the model's own generate calls upstream's on batches of its own (Whisper)."""
+    from ..generation import FlexCacheInnerGenerateMixin
+
+    return isinstance(model, FlexCacheInnerGenerateMixin)
+
+
+def _batch_of(value) -> int | None:
+    if isinstance(value, torch.Tensor):
+        return value.shape[0] if value.dim() > 0 else None
+    if isinstance(value, ModelOutput):
+        return _batch_of(value[0])
+    return None

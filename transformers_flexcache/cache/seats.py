@@ -56,22 +56,24 @@ class SeatSteps:
         self.valid = torch.zeros(max_batch_size, max_len, dtype=torch.bool, device=device)  # [B_max, L]
         self.valid[:, 0] = True  # free seats attend to column 0
         self.seat_index = torch.arange(max_batch_size, device=device)  # [B_max]
+        self.devices = {torch.device(device)}  # of the layers (set by the cache)
         self._by_device: dict[torch.device, tuple[torch.Tensor, ...]] = {}
 
     def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """`(rows, columns)` of this step on `device`: admission `([A], unused)`, decode `([B], [B])`."""
-        found = self._by_device.get(device)
-        if found is None:
-            if self.mode == ADMISSION:
-                found = (self.rows.to(device), self.columns)
-            else:
-                found = (self.seat_index[: self.span].to(device), self.columns[: self.span].to(device))
-            self._by_device[device] = found
-        return found
+        return self._by_device[device]
 
     def start(self, mode: str, *, rows=None, span: int = 0, window: int = 0) -> None:
+        # The index tensors of every layer's device are made here, before the forward: a compiled decode step then
+        # only reads them.
         self.mode, self.rows, self.span, self.window = mode, rows, span, window
-        self._by_device = {}
+        if mode == ADMISSION:
+            self._by_device = {device: (rows.to(device), self.columns) for device in self.devices}
+        elif mode == DECODE:
+            rows, columns = self.seat_index[:span], self.columns[:span]
+            self._by_device = {device: (rows.to(device), columns.to(device)) for device in self.devices}
+        else:
+            self._by_device = {}
 
     def end(self) -> None:
         self.start(None)
@@ -296,6 +298,7 @@ class FlexibleSeatCache(Cache):
             for spec in layer_specs
         ]
         super().__init__(layers=layers)
+        self.steps.devices = {layer.device for layer in layers}
         self.max_batch_size, self.max_cache_len = max_batch_size, max_cache_len
         self.num_allocations = 1
 
@@ -392,7 +395,9 @@ class FlexibleSeatCache(Cache):
         """`[B, W]` bool: the columns each seat attends to in this decode step (after `mark_written`), within its
         sliding window when one is given (the last `sliding_window` positions up to its own column)."""
         steps = self.steps
-        mask = steps.valid[:span, :window]
+        # A copy, not a view of the [B_max, L] validity: its strides then never depend on the window (a compiled step
+        # would guard on them).
+        mask = steps.valid[:span, :window].contiguous()
         if sliding_window is not None:
             first = steps.columns[:span, None] - sliding_window  # columns at or before it fall out of the window
             mask = mask & (torch.arange(window, device=mask.device)[None, :] > first)
@@ -530,8 +535,9 @@ class FlexibleSeatEncoderDecoderCache(EncoderDecoderCache):
         return self.self_attention_cache.self_attention_mask(span, window, sliding_window)
 
     def cross_attention_mask(self, span: int, cross_window: int) -> torch.Tensor:
-        """`[B, E_W]` bool: the encoder positions each seat attends to."""
-        return self.cross_attention_cache.steps.valid[:span, :cross_window]
+        """`[B, E_W]` bool: the encoder positions each seat attends to (a contiguous copy, see
+        `FlexibleSeatCache.self_attention_mask`)."""
+        return self.cross_attention_cache.steps.valid[:span, :cross_window].contiguous()
 
     # --- the accessors models use -----------------------------------------------------------------------------
     def cross_attention_kv(self, layer_idx: int, key_value_states: torch.Tensor, project) -> tuple[torch.Tensor, ...]:

@@ -256,6 +256,9 @@ def run(args, parser=None) -> int:
         upstream, flex = build_models(bench_model, quick=args.quick, seed=args.seed)
         stream = make_stream(upstream.config, num_requests=args.requests, seed=args.seed, quick=args.quick)
         max_encoder_len = max(request.input_ids.shape[1] for request in stream)
+        # Dynamo counts graphs per function, across models: every model's decode step is `FlexModelMixin.__call__`,
+        # so the previous model's graphs (its strategies are closed) would count against this one's limit.
+        torch._dynamo.reset()
         strategies = build_strategies(names, upstream, flex, args=args, max_encoder_len=max_encoder_len)
         base_rate = _service_rate(strategies[0], stream)
         loads = (

@@ -88,7 +88,7 @@ class Engine:
             )
         self.model = model
         self.config = engine_config(model, cache_config)
-        if compile_config is not None and self.config.shape_policy == "exact":
+        if compile_config is not None and not steps.has_fixed_shapes(self.config):
             raise ValueError(
                 'compile_config needs fixed shapes: pass cache_config={"shape_policy": "bucketed", ...} (or "padded") '
                 "with it; the exact policy would compile a new graph at every step"
@@ -233,26 +233,6 @@ class Engine:
             return mask
         return torch.zeros(mask.shape, dtype=self.model.dtype, device=mask.device).masked_fill(~mask, self._mask_fill)
 
-    def decode_shape(self, items: list) -> tuple[int, int, int | None]:
-        """`(B, W, E_W)` of a decode step over `items` (`(seats, model_inputs)`), per the shape policy."""
-        span = 1 + max(int(seats.rows.max()) for seats, _ in items)
-        window = 1 + max(seats.length for seats, _ in items)
-        encoder = max((seats.encoder_len or 1) for seats, _ in items) if self.is_encoder_decoder else None
-        shape = (
-            self._bucket("max_batch_size", span, self.max_batch_size),
-            self._bucket("max_cache_len", window, self.max_cache_len),
-            self._bucket("max_encoder_len", encoder, self.max_encoder_len) if encoder is not None else None,
-        )
-        return shape
-
-    def _bucket(self, name: str, value: int, capacity: int) -> int:
-        policy = self.config.shape_policy
-        if policy == "padded":
-            return capacity
-        if policy == "bucketed":
-            return min(self.config.bucket_for(name, value, capacity=capacity), capacity)
-        return value
-
     def compile_settings(self):
         return compile_settings(self.compile_config) if self.compile_config is not None else contextlib.nullcontext()
 
@@ -347,49 +327,24 @@ class Engine:
             if self.num_running:
                 raise RuntimeError("warmup() runs before serving: requests are running")
             for span, window, cross_window in shapes:
-                self._dummy_step(span, window, cross_window)
+                steps.run_dummy_decode(self, span, window, cross_window)
         return len(shapes)
 
     def decode_shapes(self) -> list[tuple]:
         """Every `(B, W, E_W)` a decode step can run at under the shape policy (E_W None without an encoder)."""
-        if self.config.shape_policy == "exact":
+        if not steps.has_fixed_shapes(self.config):
             raise ValueError("the exact policy has no fixed set of decode shapes")
-
-        def sizes(name: str, capacity: int) -> tuple[int, ...]:
-            if self.config.shape_policy == "padded":
-                return (capacity,)
-            return self.config.buckets_of(name, capacity)
-
-        encoders = sizes("max_encoder_len", self.max_encoder_len) if self.is_encoder_decoder else (None,)
+        config = self.config
+        encoders = (
+            steps.policy_sizes(config, "max_encoder_len", self.max_encoder_len) if self.is_encoder_decoder else (None,)
+        )
         return list(
             itertools.product(
-                sizes("max_batch_size", self.max_batch_size), sizes("max_cache_len", self.max_cache_len), encoders
+                steps.policy_sizes(config, "max_batch_size", self.max_batch_size),
+                steps.policy_sizes(config, "max_cache_len", self.max_cache_len),
+                encoders,
             )
         )
-
-    def _dummy_step(self, span: int, window: int, cross_window: int | None) -> None:
-        # Every seat is free here: each attends to its column 0 and writes there; nothing of a request is touched.
-        cache = self.cache
-        if self.is_encoder_decoder:
-            cache.begin_decode(span=span, window=window, cross_window=cross_window)
-        else:
-            cache.begin_decode(span=span, window=window)
-        try:
-            cache.mark_written(span)
-            empty = torch.zeros(0, dtype=torch.long, device=cache.device)
-            kwargs = steps.decode_inputs(
-                self,
-                span=span,
-                window=window,
-                cross_window=cross_window,
-                rows=empty,
-                tokens=empty,
-                positions=empty if self.position_ids_key is not None else None,
-            )
-            with self.compile_settings():
-                self.decode_forward(**kwargs)
-        finally:
-            cache.end_step()
 
     def follow(self, timeout: float | None = None) -> None:
         """On a rank other than 0 of a tensor-parallel model: run the steps rank 0's engine decides, until it closes;

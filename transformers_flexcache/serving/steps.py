@@ -314,7 +314,7 @@ def _decode(engine, workers: list[RequestWorker]) -> list:
             given = inputs.get(engine.position_ids_key)
             per_request.append(given[:, -1] if given is not None else torch.full((len(seats.rows),), seats.length))
         positions = torch.cat(per_request)
-    span, window, cross_window = engine.decode_shape(items)
+    span, window, cross_window = decode_shape(engine, items)
     device = engine.cache.device
     rows_on_device = rows.to(device)
     if engine.is_encoder_decoder:
@@ -348,3 +348,62 @@ def _decode(engine, workers: list[RequestWorker]) -> list:
 
 
 OUTPUT_TYPES = {True: Seq2SeqLMOutput, False: CausalLMOutputWithPast}
+
+
+# --- the shapes of decode steps (the one place that reads the engine's shape policy) ---------------------------
+def has_fixed_shapes(config) -> bool:
+    """Whether decode steps run at a known set of shapes (`"padded"`, `"bucketed"`), which compiling needs."""
+    return config.shape_policy != "exact"
+
+
+def policy_sizes(config, name: str, capacity: int) -> tuple[int, ...]:
+    """Every size of shape `name` a decode step can take under a fixed-shape policy."""
+    return (capacity,) if config.shape_policy == "padded" else config.buckets_of(name, capacity)
+
+
+def _bucket(config, name: str, value: int, capacity: int) -> int:
+    if config.shape_policy == "padded":
+        return capacity
+    if config.shape_policy == "bucketed":
+        return min(config.bucket_for(name, value, capacity=capacity), capacity)
+    return value
+
+
+def decode_shape(engine, items: list) -> tuple[int, int, int | None]:
+    """`(B, W, E_W)` of a decode step over `items` (`(seats, model_inputs)`): the seats' span, the longest decoder
+    length plus the new token, the longest encoder length, each rounded up as the shape policy says."""
+    config = engine.config
+    span = 1 + max(int(seats.rows.max()) for seats, _ in items)
+    window = 1 + max(seats.length for seats, _ in items)
+    encoder = max((seats.encoder_len or 1) for seats, _ in items) if engine.is_encoder_decoder else None
+    return (
+        _bucket(config, "max_batch_size", span, engine.max_batch_size),
+        _bucket(config, "max_cache_len", window, engine.max_cache_len),
+        _bucket(config, "max_encoder_len", encoder, engine.max_encoder_len) if encoder is not None else None,
+    )
+
+
+def run_dummy_decode(engine, span: int, window: int, cross_window: int | None) -> None:
+    """A decode step at `(B, W, E_W)` with every seat free (`warmup`): each attends to its column 0 and writes
+    there, so nothing of a request is touched."""
+    cache = engine.cache
+    if engine.is_encoder_decoder:
+        cache.begin_decode(span=span, window=window, cross_window=cross_window)
+    else:
+        cache.begin_decode(span=span, window=window)
+    try:
+        cache.mark_written(span)
+        empty = torch.zeros(0, dtype=torch.long, device=cache.device)
+        kwargs = decode_inputs(
+            engine,
+            span=span,
+            window=window,
+            cross_window=cross_window,
+            rows=empty,
+            tokens=empty,
+            positions=empty if engine.position_ids_key is not None else None,
+        )
+        with engine.compile_settings():
+            engine.decode_forward(**kwargs)
+    finally:
+        cache.end_step()

@@ -42,7 +42,7 @@ from ..cache.placement import KEY_PROJECTION_NAMES, attention_modules
 from ..cache.seats import FlexibleSeatCache, FlexibleSeatEncoderDecoderCache
 from ..compilation import compile_settings
 from . import steps
-from .handle import EngineClosedError, QueueFullError, RequestCancelledError, RequestHandle
+from .handle import CapacityError, EngineClosedError, QueueFullError, RequestCancelledError, RequestHandle
 from .worker import RequestSpec, RequestWorker
 
 # Decoding methods the engine runs: those whose loop makes one model call per step for every row.
@@ -292,8 +292,9 @@ class Engine:
             `RequestHandle`: at once; `result()` waits for what `generate` returns for this request alone.
 
         Raises:
-            ValueError: not one request (batch 1), an argument the engine cannot serve, or a request that can never
-                fit (the value, the limit and the `cache_config` that fits). Nothing is queued.
+            ValueError: not one request (batch 1), or an argument the engine cannot serve. Nothing is queued.
+            CapacityError: a `ValueError` for a request that can never fit (the value, the limit and the
+                `cache_config` that fits; `needed` and `limits` by capacity). Nothing is queued.
             QueueFullError: `max_queue` requests are already waiting.
             EngineClosedError: the engine is closed (or closing).
         """
@@ -478,7 +479,11 @@ class Engine:
         limits["max_encoder_len"] = self.max_encoder_len
         exceeded = [Overflow(name, value, limits[name]) for name, value in need.items() if value > limits[name]]
         if exceeded:
-            raise ValueError(f"this request can never fit the engine: {overflow_message(exceeded)}")
+            raise CapacityError(
+                f"this request can never fit the engine: {overflow_message(exceeded)}",
+                needed={overflow.name: overflow.value for overflow in exceeded},
+                limits={overflow.name: overflow.limit for overflow in exceeded},
+            )
 
     def _encoder_len(self, inputs: dict) -> int | None:
         if not self.is_encoder_decoder:

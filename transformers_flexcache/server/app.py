@@ -18,7 +18,6 @@ Design decisions:
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 import time
 from contextlib import asynccontextmanager
@@ -28,12 +27,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
+from ..log import get_logger
 from ..serving import CapacityError, EngineClosedError, QueueFullError, RequestCancelledError
 from . import bridge
 from .metrics import ServerMetrics
 from .schemas import APIError, model_card
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 # The server flag that sets each engine capacity.
 CAPACITY_FLAGS = {

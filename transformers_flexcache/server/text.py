@@ -15,9 +15,9 @@ Design decisions:
 
 from __future__ import annotations
 
-import logging
+from ..log import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 def own_tokens(new_tokens: list[int], *, eos_token_ids: set[int]) -> tuple[list[int], bool]:

@@ -20,6 +20,7 @@ from starlette.concurrency import run_in_threadpool
 
 from .audio import read_wav, resample
 from .schemas import APIError
+from .text import own_tokens
 
 ROUTE = "/v1/audio/transcriptions"
 MAX_FILE_BYTES = 25 * 2**20  # OpenAI's limit
@@ -70,7 +71,7 @@ async def create_transcription(
         ROUTE,
         seconds=time.perf_counter() - started,
         prompt_tokens=0,
-        generated_tokens=handle.num_new_tokens,
+        generated_tokens=len(own_tokens(sequences[0].tolist(), eos_token_ids=served.eos_token_ids)[0]),
         handles=[handle],
     )
     if response_format == "text":

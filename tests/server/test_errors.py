@@ -4,6 +4,7 @@ limit and the server flag that fits), invalid parameters (400 naming the field),
 
 from __future__ import annotations
 
+import json
 import threading
 
 import httpx
@@ -145,6 +146,32 @@ def test_a_request_that_fails_in_the_model_gets_500_and_the_server_serves_on(lla
     assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] >= 1
     assert app.state.served.engine.stats["failed"] >= 1
     assert metrics(base_url)["flexcache_http_requests_total{route=/v1/completions,status=500}"] >= 1
+
+
+def test_a_stream_whose_request_fails_in_the_model_ends_with_an_error_event_and_done(llama):
+    base_url, app = llama
+
+    def fail_on_prefill(module, args, output):
+        if args[0].shape[-1] > 1:
+            raise RuntimeError("a fault injected by the test")
+
+    hook = app.state.served.engine.model.get_input_embeddings().register_forward_hook(fail_on_prefill)
+    body = {"prompt": [5, 6, 7], "max_tokens": 4, "stream": True}
+    try:
+        with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=TIMEOUT) as response:
+            events = [line for line in response.iter_lines() if line]
+    finally:
+        hook.remove()
+    assert response.status_code == 200  # the stream had begun: the error comes as an event
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert error["type"] == "server_error" and "a fault injected by the test" in error["message"]
+    with pytest.raises(openai.APIError, match="a fault injected by the test"):
+        hook = app.state.served.engine.model.get_input_embeddings().register_forward_hook(fail_on_prefill)
+        try:
+            list(openai_client(base_url).completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=4, stream=True))
+        finally:
+            hook.remove()
 
 
 def test_a_full_queue_gets_429_with_retry_after(tmp_path):

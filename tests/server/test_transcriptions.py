@@ -89,6 +89,14 @@ def test_audio_that_cannot_be_served_gets_400_saying_why(whisper, data, form, pa
     assert expected in error["message"] and error["param"] == param
 
 
+def test_an_argument_that_generate_refuses_gets_400_with_its_reason(whisper):
+    base_url, _, _ = whisper
+    # The tiny Whisper's generation config has no languages: Whisper's generate raises a ValueError for one.
+    response = post_audio(base_url, wav_bytes(speech(1.0), rate=16000), language="en")
+    assert response.status_code == 400
+    assert response.json()["error"]["message"].startswith("generate refused the request: ")
+
+
 def test_a_speech_model_refuses_completions_and_names_its_route(whisper):
     base_url, _, _ = whisper
     response = httpx.post(f"{base_url}/v1/completions", json={"prompt": "hello"}, timeout=TIMEOUT)

@@ -71,6 +71,8 @@ def test_readme_code_blocks_run_as_pasted(tmp_path):
     outputs = _run_readme(tmp_path, marks=(None,))
     assert "FlexT5ForConditionalGeneration" in outputs[0]
     assert "[(2, 16), (2, 64), (8, 16), (8, 64)]" in outputs[0].splitlines()  # the bucketed shapes, as printed
+    served = next(output for output in outputs if '"object":"text_completion"' in output)  # the serve block's curl
+    assert "streamed: " in served
 
 
 @pytest.mark.slow

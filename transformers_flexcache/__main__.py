@@ -5,6 +5,7 @@ Subcommands:
     bench-serve  an open-loop stream of requests against one-at-a-time, static batching, the in-flight engine and
                  CTranslate2: throughput and latency at several offered loads
     export  export a saved checkpoint to one ExecuTorch .pte that serves every batch and length up to its capacities
+    serve   an OpenAI-compatible HTTP server on the in-flight engine (completions, transcriptions, metrics)
 """
 
 from __future__ import annotations
@@ -64,6 +65,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export_cli.add_arguments(export_parser)
     export_parser.set_defaults(handler=export_cli.run, subparser=export_parser)
+    from .server import cli as serve_cli
+
+    serve_parser = subcommands.add_parser(
+        "serve",
+        help="serve a checkpoint over HTTP, OpenAI-compatible, on the in-flight engine",
+        description=(
+            "Serve a checkpoint folder (save_pretrained, with its tokenizer or processor) over HTTP with OpenAI's "
+            "API: POST /v1/completions (text models; for encoder-decoder models the prompt is the source text), POST "
+            "/v1/audio/transcriptions (Whisper), GET /v1/models, GET /health, GET /metrics (Prometheus). Requests "
+            "join a running batch on one cache allocated at start. SIGTERM finishes the running requests, refuses "
+            'new ones, then exits 0. Needs the serve extra: pip install "transformers-flexcache[serve]".'
+        ),
+    )
+    serve_cli.add_arguments(serve_parser)
+    serve_parser.set_defaults(handler=serve_cli.run, subparser=serve_parser)
     return parser
 
 

@@ -256,6 +256,18 @@ def test_iterating_a_handle_yields_the_new_tokens_as_decoded():
     assert torch.equal(torch.stack(beam_tokens, dim=1), beams.result(timeout=TIMEOUT)[:, 5:])
 
 
+def test_iterating_a_whisper_handle_yields_every_token_of_its_result():
+    # Whisper's generate returns the new tokens without its decoder prompt: none is skipped.
+    case = next(case for case in MODEL_CASES if case.name == "whisper")
+    _, flex = case.build("sdpa")
+    inputs = case.make_inputs(1, WHISPER_MAX_SOURCE_POSITIONS, torch.Generator().manual_seed(8))
+    with Engine(flex, cache_config=capacities(flex)) as engine:
+        handle = engine.submit(**inputs, max_new_tokens=6)
+        tokens = list(handle)
+    assert torch.equal(torch.stack(tokens, dim=1), handle.result(timeout=TIMEOUT))
+    assert handle.num_new_tokens == handle.result(timeout=TIMEOUT).shape[1]
+
+
 # --- refusals ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("kwargs", "expected"),

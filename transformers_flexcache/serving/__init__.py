@@ -7,9 +7,9 @@
 The engine knows nothing of HTTP or tokenization.
 """
 
-from .handle import EngineClosedError, QueueFullError, RequestCancelledError, RequestHandle
+from .handle import CapacityError, EngineClosedError, QueueFullError, RequestCancelledError, RequestHandle
 
-__all__ = ["Engine", "EngineClosedError", "QueueFullError", "RequestCancelledError", "RequestHandle"]
+__all__ = ["CapacityError", "Engine", "EngineClosedError", "QueueFullError", "RequestCancelledError", "RequestHandle"]
 
 
 def __getattr__(name: str):

@@ -281,8 +281,9 @@ class Engine:
             `RequestHandle`: at once; `result()` waits for what `generate` returns for this request alone.
 
         Raises:
-            ValueError: not one request (batch 1), an argument the engine cannot serve, or a request that can never
-                fit (the value, the limit and the `cache_config` that fits). Nothing is queued.
+            ValueError: not one request (batch 1), or an argument the engine cannot serve. Nothing is queued.
+            CapacityError: a `ValueError` for a request that can never fit (the value, the limit and the
+                `cache_config` that fits; `needed` and `limits` by capacity). Nothing is queued.
             QueueFullError: `max_queue` requests are already waiting.
             EngineClosedError: the engine is closed (or closing).
         """

@@ -18,6 +18,17 @@ class EngineClosedError(RuntimeError):
     """The engine was closed before the request finished (or it was submitted after `close()`)."""
 
 
+class CapacityError(ValueError):
+    """A request that can never fit the engine's capacities. `needed` and `limits` map each capacity it exceeds
+    (`"max_batch_size"`, `"max_cache_len"`, `"max_encoder_len"`) to what the request needs and what the engine has,
+    so that a caller can name its own setting (a server's flag) in the fix."""
+
+    def __init__(self, message: str, *, needed: dict[str, int], limits: dict[str, int]):
+        super().__init__(message)
+        self.needed = needed
+        self.limits = limits
+
+
 class QueueFullError(RuntimeError):
     """`max_queue` requests are already waiting for seats; `retry_after` is a suggested wait in seconds."""
 

@@ -16,7 +16,7 @@ from transformers.modeling_outputs import ModelOutput
 
 from ..cache import CacheConfig
 from ..cache.config import Overflow, overflow_message
-from .handle import RequestHandle
+from .handle import CapacityError, RequestHandle
 from .worker import RequestSpec
 
 # Decoding methods the engine runs: those whose loop makes one model call per step for every row.
@@ -88,6 +88,7 @@ def check_request(engine, seed: int | None, kwargs: dict, *, on_cancel) -> Reque
     """The `RequestSpec` of one `submit`: its inputs, the generate arguments its worker passes, its seats.
 
     Raises:
+        CapacityError: a request that can never fit (a `ValueError`).
         ValueError: see `Engine.submit`.
     """
     for name, reason in REFUSED_KWARGS.items():
@@ -140,6 +141,8 @@ def check_request(engine, seed: int | None, kwargs: dict, *, on_cancel) -> Reque
 
 def _prompt_len(engine, inputs: dict) -> int:
     """Columns of `generate`'s result that come before the new tokens (known ahead for most models)."""
+    if is_whisper_like(engine.model):
+        return 0  # Whisper's generate returns the new tokens alone, without its decoder prompt
     if engine.is_encoder_decoder:
         decoder_ids = inputs.get("decoder_input_ids")
         return decoder_ids.shape[1] if decoder_ids is not None else 1
@@ -163,7 +166,11 @@ def _check_fits(engine, generation_config, inputs: dict, num_seats: int) -> None
     }
     exceeded = [Overflow(name, value, limits[name]) for name, value in need.items() if value > limits[name]]
     if exceeded:
-        raise ValueError(f"this request can never fit the engine: {overflow_message(exceeded)}")
+        raise CapacityError(
+            f"this request can never fit the engine: {overflow_message(exceeded)}",
+            needed={overflow.name: overflow.value for overflow in exceeded},
+            limits={overflow.name: overflow.limit for overflow in exceeded},
+        )
 
 
 def _encoder_len(engine, inputs: dict) -> int | None:

@@ -1,0 +1,113 @@
+"""The `serve` command's own decisions: default capacities from the model's config, refusals before serving (exit
+status 2, naming the flag and the fix), and `--compile` (slow: inductor)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from transformers_flexcache import zoo
+from transformers_flexcache.__main__ import main
+from transformers_flexcache.server import cli
+
+from .helpers import build_app, new_tokens, openai_client, reference, save_checkpoint, serving
+
+
+def flags(**given) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(["unused"])
+    for name, value in given.items():
+        setattr(args, name, value)
+    return args
+
+
+@pytest.mark.parametrize(
+    ("model_type", "expected"),
+    [
+        ("llama", {"max_batch_size": 8, "max_cache_len": 128}),  # max_position_embeddings=128
+        ("t5", {"max_batch_size": 8, "max_cache_len": 512, "max_encoder_len": 512}),  # relative positions: no cap
+        ("bart", {"max_batch_size": 8, "max_cache_len": 64, "max_encoder_len": 64}),  # a learned table of 64
+        ("whisper", {"max_batch_size": 8, "max_cache_len": 64}),  # the engine takes max_source_positions
+    ],
+)
+def test_capacities_default_to_512_positions_capped_by_the_models_own(model_type, expected):
+    assert cli.engine_cache_config(flags(), zoo.tiny_config(model_type)) == expected
+
+
+def test_flags_set_the_capacities_and_compile_sets_the_bucketed_policy():
+    args = flags(
+        max_batch_size=4, max_cache_len=100, max_encoder_len=200, compile=True, buckets={"max_batch_size": [2]}
+    )
+    assert cli.engine_cache_config(args, zoo.tiny_config("t5")) == {
+        "max_batch_size": 4,
+        "max_cache_len": 100,
+        "max_encoder_len": 200,
+        "shape_policy": "bucketed",
+        "buckets": {"max_batch_size": [2]},
+    }
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama")
+    save_checkpoint("llama", folder)
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        (["--max-batch-size", "0"], "--max-batch-size=0 must be a positive int"),
+        (["--port", "70000"], "--port=70000 must be a positive int up to 65535"),
+        (["--buckets", '{"max_batch_size": [2]}'], "--buckets sets the compiled shapes: pass --compile with it"),
+        (["--compile", "--buckets", '{"max_batch_size": [3, 2]}'], "the engine refused these settings"),
+    ],
+    ids=["seats", "port", "buckets-alone", "bad-buckets"],
+)
+def test_a_refused_command_exits_2_before_serving_with_the_flag_and_the_fix(checkpoint, capsys, extra, expected):
+    assert main(["serve", str(checkpoint), *extra]) == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_a_folder_without_a_checkpoint_or_a_tokenizer_is_refused(tmp_path, capsys):
+    assert main(["serve", str(tmp_path / "missing")]) == 2
+    assert "is not a checkpoint folder" in capsys.readouterr().err
+    from tests.model_cases import MODEL_CASES
+
+    upstream, _ = next(case for case in MODEL_CASES if case.name == "llama").build("sdpa")
+    upstream.save_pretrained(tmp_path / "no-tokenizer")
+    assert main(["serve", str(tmp_path / "no-tokenizer")]) == 2
+    assert "has no tokenizer or processor that loads" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_compiled_server_warms_up_every_bucket_and_answers_with_generates_tokens(tmp_path):
+    upstream = save_checkpoint("t5", tmp_path)
+    args = flags(
+        compile=True,
+        max_batch_size=2,
+        max_cache_len=16,
+        max_encoder_len=16,
+        buckets={"max_batch_size": [1], "max_cache_len": [16], "max_encoder_len": [16]},
+    )
+    model, tokenizer, processor = cli.load_checkpoint(str(tmp_path))
+    engine = cli.build_engine(args, model, tokenizer)  # compiles 2 decode shapes
+    from transformers_flexcache.server.app import create_app
+
+    app = create_app(engine, tokenizer=tokenizer, processor=processor, model_name="tiny")
+    with serving(app) as base_url:
+        response = openai_client(base_url).completions.create(
+            model="tiny", prompt="abcdef", max_tokens=8, temperature=0, extra_body={"return_token_ids": True}
+        )
+    expected = new_tokens(upstream, reference(upstream, tokenizer, "abcdef", max_new_tokens=8, do_sample=False), 0)
+    assert response.choices[0].model_extra["token_ids"] == expected[0]
+
+
+def test_build_app_is_what_the_command_serves(checkpoint):
+    # The tests' servers use the command's loader: the same override class and tokenizer.
+    app = build_app(checkpoint, cache_config={"max_batch_size": 1, "max_cache_len": 8})
+    served = app.state.served
+    assert served.model_class == "FlexLlamaForCausalLM" and served.takes_text and not served.takes_audio
+    served.engine.close()

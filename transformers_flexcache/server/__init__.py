@@ -1,0 +1,16 @@
+"""An OpenAI-compatible HTTP server on the in-flight engine: `transformers-flexcache serve PATH`.
+
+- `app.py`: `create_app(...)`: the FastAPI application, its small routes (`/health`, `/metrics`, `/v1/models`), the
+  error bodies, and what the routes share (`ServedModel`);
+- `completions.py`: `POST /v1/completions`: OpenAI's parameters as `generate` arguments, answers and SSE streams;
+- `transcriptions.py`: `POST /v1/audio/transcriptions`: a WAV file through the checkpoint's processor to Whisper;
+- `audio.py`: WAV decoding and resampling (the standard library's `wave`, numpy);
+- `text.py`: a sequence's completion text (stop sequences, finish reason) and its pieces for a stream;
+- `bridge.py`: a request handle's steps, delivered to the event loop;
+- `schemas.py`: OpenAI's request bodies, answers and error body;
+- `metrics.py`: Prometheus metrics;
+- `cli.py`: the `serve` command (the checkpoint, the engine, uvicorn, SIGTERM).
+
+The server knows nothing of the model's internals: it tokenizes, submits requests to the engine and decodes what
+they return. The engine knows nothing of HTTP. Importing this package imports neither FastAPI nor a model.
+"""

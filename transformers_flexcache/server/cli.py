@@ -1,0 +1,254 @@
+"""`transformers-flexcache serve PATH`: an OpenAI-compatible HTTP server on the in-flight engine.
+
+Design decisions:
+- The checkpoint loads into upstream's class (`config.architectures`, else the AutoModel class of its kind) and
+  becomes its override with `transformers_flexcache.convert`: no global registration. Its own tokenizer
+  (`AutoTokenizer`), or for a model that takes audio its processor (`AutoProcessor`), come from the same folder.
+- Capacities: 8 seats; `max_cache_len` and `max_encoder_len` default to 512 positions, capped by the positions the
+  model's config states (a learned position table); Whisper's encoder length is its own (`max_source_positions`).
+  Memory is allocated once, when the engine is built.
+- `--compile`: the bucketed shape policy, `compile_config_for_cpu()`, and `Engine.warmup()` before the port opens, so
+  that no request pays a compile; each combination of buckets is one graph (`--buckets` lists fewer sizes).
+- SIGTERM (or Ctrl-C): uvicorn closes the port and waits for the running requests to be answered; a new request on a
+  connection still open gets 503; then the engine closes with `drain=True`, and the command exits with status 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+
+DEFAULT_MAX_BATCH_SIZE = 8
+DEFAULT_MAX_LEN = 512
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+class CommandError(ValueError):
+    """A refused command: the message says what, the limit, and the fix."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_dir", metavar="PATH", help="a checkpoint folder (save_pretrained) with its tokenizer")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    parser.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=DEFAULT_MAX_BATCH_SIZE,
+        help="seats: cache rows shared by the running requests, n per completion (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-cache-len",
+        type=int,
+        help=f"decoder positions per seat: prompt (decoder-only) plus max_tokens (default: {DEFAULT_MAX_LEN}, at "
+        "most the model's decoder positions)",
+    )
+    parser.add_argument(
+        "--max-encoder-len",
+        type=int,
+        help=f"encoder positions per seat, encoder-decoder models (default: {DEFAULT_MAX_LEN}, at most the model's "
+        "encoder positions; Whisper's own)",
+    )
+    parser.add_argument(
+        "--max-queue",
+        type=int,
+        default=64,
+        help="requests that may wait for seats; more get 429 (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the decode step (inductor, bucketed shapes, every bucket compiled before serving)",
+    )
+    parser.add_argument(
+        "--buckets",
+        type=json.loads,
+        help='with --compile: the sizes each shape is rounded up to, as JSON, e.g. \'{"max_batch_size": [4], '
+        '"max_cache_len": [64]}\' (the capacity is always the last; default: powers of two)',
+    )
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    parser.add_argument("--served-model-name", help="the model's name in the API (default: PATH as given)")
+    parser.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="uvicorn's (default: %(default)s)")
+
+
+def _check_arguments(args) -> None:
+    for flag in ("port", "max_batch_size", "max_cache_len", "max_encoder_len", "max_queue", "threads"):
+        value = getattr(args, flag)
+        if value is not None and (value < 1 or (flag == "port" and value > 65535)):
+            name = "--" + flag.replace("_", "-")
+            raise CommandError(f"{name}={value} must be a positive int{' up to 65535' if flag == 'port' else ''}")
+    if args.buckets is not None and not args.compile:
+        raise CommandError("--buckets sets the compiled shapes: pass --compile with it, or leave it out")
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import python_multipart  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as error:
+        raise CommandError(
+            f'serve needs its extra ({error.name} is missing): pip install "transformers-flexcache[serve]"'
+        ) from error
+
+
+def load_checkpoint(path: str):
+    """`(model, tokenizer, processor)` of a checkpoint folder: the override model in eval mode, the folder's tokenizer,
+    and its processor for a model that takes audio (else None).
+
+    Raises:
+        CommandError: no loadable config, model or tokenizer in `path`.
+    """
+    import transformers
+    from transformers import AutoConfig, AutoProcessor, AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES
+
+    from ..registry import convert
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as error:
+        raise CommandError(
+            f"{path} is not a checkpoint folder ({error}): pass a folder written by save_pretrained"
+        ) from error
+    names = config.architectures or []
+    upstream_class = next((getattr(transformers, name) for name in names if hasattr(transformers, name)), None)
+    if upstream_class is None:  # a folder saved from an override class names it
+        if config.model_type in MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES:
+            upstream_class = transformers.AutoModelForSpeechSeq2Seq
+        elif config.is_encoder_decoder:
+            upstream_class = transformers.AutoModelForSeq2SeqLM
+        else:
+            upstream_class = transformers.AutoModelForCausalLM
+    model = convert(upstream_class.from_pretrained(path)).eval()
+    try:
+        if model.main_input_name == "input_ids":
+            return model, AutoTokenizer.from_pretrained(path), None
+        processor = AutoProcessor.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as error:
+        raise CommandError(
+            f"{path} has no tokenizer or processor that loads ({error}): save the checkpoint's own beside the model "
+            "(tokenizer.save_pretrained(PATH), or the processor's)"
+        ) from error
+    if not hasattr(processor, "feature_extractor") or not hasattr(processor, "tokenizer"):
+        raise CommandError(
+            f"{type(model).__name__} takes {model.main_input_name}: serve answers text models (/v1/completions) and "
+            "speech models with a feature extractor (/v1/audio/transcriptions)"
+        )
+    return model, processor.tokenizer, processor
+
+
+def engine_cache_config(args, config) -> dict:
+    """The engine's `cache_config` from the flags, with the defaults of the module docstring."""
+
+    def positions(config, names) -> int | None:
+        return next((getattr(config, name) for name in names if isinstance(getattr(config, name, None), int)), None)
+
+    decoder = config.get_text_config(decoder=True)
+    limit = positions(decoder, ("max_target_positions", "max_position_embeddings", "n_positions"))
+    cache_config = {
+        "max_batch_size": args.max_batch_size,
+        "max_cache_len": args.max_cache_len or min(DEFAULT_MAX_LEN, limit or DEFAULT_MAX_LEN),
+    }
+    if config.is_encoder_decoder:
+        if args.max_encoder_len is not None:
+            cache_config["max_encoder_len"] = args.max_encoder_len
+        elif getattr(config, "max_source_positions", None) is None:  # else the engine takes the encoder's own
+            limit = positions(config, ("max_position_embeddings", "n_positions"))
+            cache_config["max_encoder_len"] = min(DEFAULT_MAX_LEN, limit or DEFAULT_MAX_LEN)
+    if args.compile:
+        cache_config["shape_policy"] = "bucketed"
+        if args.buckets is not None:
+            cache_config["buckets"] = args.buckets
+    return cache_config
+
+
+def build_engine(args, model, tokenizer):
+    """The engine of the flags, compiled and warmed up under `--compile`."""
+    import torch
+
+    from .. import compile_config_for_cpu
+    from ..serving import Engine
+
+    compile_config = compile_config_for_cpu() if args.compile else None
+    try:
+        engine = Engine(
+            model,
+            cache_config=engine_cache_config(args, model.config),
+            compile_config=compile_config,
+            max_queue=args.max_queue,
+            tokenizer=tokenizer,
+        )
+    except (ValueError, TypeError) as error:
+        raise CommandError(
+            f"the engine refused these settings: {error} (--max-batch-size, --max-cache-len, --max-encoder-len and "
+            "--buckets make its cache_config)"
+        ) from error
+    if args.compile:
+        shapes = len(engine.decode_shapes())
+        # The whole process serves one engine: let dynamo keep a graph per decode shape.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, shapes)
+        torch._dynamo.config.accumulated_recompile_limit = max(
+            torch._dynamo.config.accumulated_recompile_limit, shapes
+        )
+        print(f"compiling {shapes} decode shapes (fewer with --buckets)", flush=True)
+        started = time.perf_counter()
+        engine.warmup()
+        print(f"compiled in {time.perf_counter() - started:.1f} s", flush=True)
+    return engine
+
+
+def run(args, parser=None) -> int:
+    """Run the command; returns the exit status (2 for a refused command, as argparse)."""
+    try:
+        _check_arguments(args)
+        import torch
+
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
+        model, tokenizer, processor = load_checkpoint(args.model_dir)
+        engine = build_engine(args, model, tokenizer)
+    except CommandError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from .app import create_app
+
+    name = args.served_model_name or args.model_dir
+    app = create_app(engine, tokenizer=tokenizer, processor=processor, model_name=name)
+    capacities = f"{engine.max_batch_size} seats, max_cache_len={engine.max_cache_len}"
+    if engine.is_encoder_decoder:
+        capacities += f", max_encoder_len={engine.max_encoder_len}"
+    print(
+        f"serving {name} ({type(model).__name__}; {capacities}, max_queue={engine.max_queue}, "
+        f"{'compiled' if args.compile else 'eager'}) at http://{args.host}:{args.port}/v1",
+        flush=True,
+    )
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+    server = _draining_server_class()(config, served=app.state.served)
+    # uvicorn installs its handlers while it serves, then restores these and raises the signal again (so that a
+    # process killed by SIGTERM looks killed): with the server's own handler here, that second delivery is a no-op
+    # and the command exits 0 after a graceful shutdown. Installed first, it also covers a signal during startup.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, server.handle_exit)
+    server.run()
+    return 0
+
+
+def _draining_server_class():
+    import uvicorn  # the `serve` extra's: imported when serving, so that `--help` needs no extra
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn's server; on SIGTERM/SIGINT the application answers new requests 503 at once (`draining`)."""
+
+        def __init__(self, config, *, served):
+            super().__init__(config)
+            self.served = served
+
+        def handle_exit(self, sig, frame) -> None:
+            self.served.draining = True
+            super().handle_exit(sig, frame)
+
+    return DrainingServer

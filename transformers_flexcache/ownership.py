@@ -2,7 +2,10 @@
 
 Design decisions:
 - A model holds a `CachePool`: at most `max_concurrent_calls` caches (default 1), each allocated once and grown
-  only when a call needs more. A `generate` call *leases* one for its duration: nobody else writes that storage until
+  only when a call needs more. The pool sits beside the model (a weak map), not in its `__dict__`: copying, pickling
+  or saving a model never meets it, and a copy starts with an empty pool of its own. It keeps the largest capacities
+  planned for each kind of cache even after freeing that storage (a call of another kind took its place), so a
+  fixed-shape policy keeps padding to them; `release` forgets them. A `generate` call *leases* one for its duration: nobody else writes that storage until
   the call ends. A call that finds every cache leased waits for one (`on_busy="wait"`, the default) or raises
   (`on_busy="error"`); a thread that already holds a lease of the pool never waits for another one (it would wait
   for itself) and raises instead.
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -41,7 +45,10 @@ from .log import get_logger
 logger = get_logger(__name__)
 
 DEFAULT_MAX_CONCURRENT_CALLS = 1
-_POOL_ATTR = "_flex_cache_pool"
+# The pool of each model, weakly keyed: it is not in the model's `__dict__`, so `copy.deepcopy(model)`, pickling and
+# `torch.save(model)` never meet it (its lock cannot be copied), a copy starts with an empty pool of its own, and a
+# model's pool goes with the model.
+_pools: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _pool_creation = threading.Lock()
 _frames = threading.local()
 
@@ -101,6 +108,9 @@ class CachePool:
         self._slots: list[_Slot] = []
         self._condition = threading.Condition()
         self._given: dict[int, Lease] = {}  # id(cache) -> its lease, for caches passed in that the pool does not hold
+        # kind -> the largest capacities planned for it, kept when its storage is freed (a call of another kind took
+        # its place) or detached: a fixed-shape policy pads to them, and a user's compiled graphs were built for them.
+        self._planned: dict[tuple, dict[str, int]] = {}
 
     # --- what the pool holds ----------------------------------------------------------------------------------
     def caches(self) -> list:
@@ -117,17 +127,22 @@ class CachePool:
         return per_device
 
     def capacities(self, kind: tuple) -> dict[str, int]:
-        """The largest capacities that the pool's caches of `kind` hold (empty if it holds none)."""
+        """The largest capacities planned for caches of `kind`: those its caches hold, and those of its storage freed
+        since (empty if none was ever planned, or since `release()`)."""
         with self._condition:
             return self._capacities(kind)
 
     def _capacities(self, kind: tuple) -> dict[str, int]:
-        found: dict[str, int] = {}
         for slot in self._slots:
-            if slot.kind == kind:
-                for name, value in slot.cache.capacities().items():
-                    found[name] = max(found.get(name, 0), value)
-        return found
+            if slot.kind == kind and not slot.free_on_return:
+                self._remember(slot)
+        return dict(self._planned.get(kind, {}))
+
+    def _remember(self, slot: _Slot) -> None:
+        """Keep the capacities of `slot`'s storage in the plan of its kind (before it is freed or detached)."""
+        planned = self._planned.setdefault(slot.kind, {})
+        for name, value in slot.cache.capacities().items():
+            planned[name] = max(planned.get(name, 0), value)
 
     # --- leases -------------------------------------------------------------------------------------------------
     def lease(
@@ -243,6 +258,7 @@ class CachePool:
             self.owner_name,
             other.cache.nbytes,
         )
+        self._remember(other)
         self._slots.remove(other)
         other.cache.free(
             f"this cache's storage was freed: {self.owner_name} was called with another shape policy, device or "
@@ -308,7 +324,7 @@ class CachePool:
     def _release_slot(self, slot: _Slot) -> None:
         with self._condition:
             slot.lease = None
-            if slot.free_on_return and slot in self._slots:
+            if slot.free_on_return and slot in self._slots:  # released (which forgets its capacities)
                 self._slots.remove(slot)
                 slot.cache.free(_released_reason(self.owner_name))
             self._condition.notify_all()
@@ -328,14 +344,17 @@ class CachePool:
                 return
             if slot.holder is not None and slot.holder != threading.get_ident():
                 raise RuntimeError("this cache is in use by a running generate call; detach it after the call")
+            self._remember(slot)
             self._slots.remove(slot)
             cache._owner = None
             self._condition.notify_all()
 
     def release(self) -> int:
-        """Free every idle cache now, and each leased one when its call ends; returns the bytes freed now."""
+        """Free every idle cache now, and each leased one when its call ends; returns the bytes freed now. The
+        capacities planned so far are forgotten: the next call plans from its `cache_config` and its needs."""
         freed = 0
         with self._condition:
+            self._planned.clear()
             for slot in list(self._slots):
                 if slot.holder is None:
                     self._slots.remove(slot)
@@ -355,13 +374,12 @@ def _released_reason(owner_name: str) -> str:
 
 def pool_of(model, *, create: bool = True) -> CachePool | None:
     """The `CachePool` of `model` (created on first use when `create`)."""
-    pool = model.__dict__.get(_POOL_ATTR)
+    pool = _pools.get(model)
     if pool is None and create:
         with _pool_creation:
-            pool = model.__dict__.get(_POOL_ATTR)
+            pool = _pools.get(model)
             if pool is None:
-                pool = CachePool(owner_name=type(model).__name__)
-                model.__dict__[_POOL_ATTR] = pool
+                pool = _pools[model] = CachePool(owner_name=type(model).__name__)
     return pool
 
 

@@ -174,6 +174,32 @@ class FlexibleStaticCache(Cache):
             **kwargs,
         )
 
+    @property
+    def layers(self) -> list:
+        """The layers (upstream's `Cache.layers`).
+
+        Raises:
+            ValueError: this cache object is stale (see `mark_stale`).
+        """
+        self._check_live()
+        return self._layers
+
+    @layers.setter
+    def layers(self, layers: list) -> None:
+        self._layers = layers
+
+    def __repr__(self) -> str:
+        if self._stale is not None:
+            return f"{type(self).__name__}(stale)"
+        return super().__repr__()
+
+    def __getstate__(self) -> dict:
+        # A copy (`copy.deepcopy`, pickling) is nobody's: it is not in the pool of the model that returned the
+        # original, whose lock cannot be copied anyway.
+        state = dict(self.__dict__)
+        state.pop("_owner", None)
+        return state
+
     def _layer_class(self, spec: LayerSpec) -> type:
         if spec.layer_type == "linear_attention":
             return LINEAR_ATTENTION_LAYER_CLASSES[self.shape_policy]
@@ -245,9 +271,9 @@ class FlexibleStaticCache(Cache):
         return sum(self.nbytes_per_device().values())
 
     def nbytes_per_device(self) -> dict[str, int]:
-        """Bytes held on each device."""
+        """Bytes held on each device (`{}` for a stale object, which holds none)."""
         per_device: dict[str, int] = {}
-        for layer in self.layers:
+        for layer in self._layers:  # a stale object holds no layers: 0 bytes, no error
             for tensor in layer.storages():
                 key = str(tensor.device)
                 per_device[key] = per_device.get(key, 0) + tensor.untyped_storage().nbytes()
@@ -358,19 +384,22 @@ class FlexibleStaticCache(Cache):
         """
         cache = copy.copy(self)
         cache.layers = [layer.renewed() for layer in self.layers]
+        cache._owner = self._owner
         cache._stale = None
         cache._call_limits = {}
         cache.reset()
         return cache
 
     def mark_stale(self, reason: str) -> None:
-        """From now on, any use of this object raises `ValueError(reason)`.
+        """From now on, any use of this object raises `ValueError(reason)`: every method, `layers` and `len(cache)`.
+        What stays readable: `is_stale`, `repr()`, `nbytes`/`nbytes_per_device()` (0: it holds nothing), and the
+        settings it was built with (`shape_policy`, `on_overflow`, `layer_specs`).
 
         The object also lets go of its layers: storage that a later growth or `release` drops is then freed even while
         a caller still holds this object.
         """
         self._stale = reason
-        self.layers = []
+        self._layers = []
 
     @property
     def is_stale(self) -> bool:
@@ -866,9 +895,21 @@ class FlexibleEncoderDecoderCache(EncoderDecoderCache):
         self.cross_attention_cache._apply_reservation(target, config, need=need)
 
     # --- ownership ----------------------------------------------------------------------------------------------
+    def __repr__(self) -> str:
+        if self._stale is not None:
+            return f"{type(self).__name__}(stale)"
+        return super().__repr__()
+
+    def __getstate__(self) -> dict:
+        # As `FlexibleStaticCache.__getstate__`: a copy is nobody's.
+        state = dict(self.__dict__)
+        state.pop("_owner", None)
+        return state
+
     def renewed(self) -> FlexibleEncoderDecoderCache:
         """A new, reset cache object over the same storage (see `FlexibleStaticCache.renewed`)."""
         cache = copy.copy(self)
+        cache._owner = self._owner
         cache.self_attention_cache = self.self_attention_cache.renewed()
         cache.cross_attention_cache = self.cross_attention_cache.renewed()
         cache.is_updated = dict.fromkeys(self.is_updated, False)

@@ -44,6 +44,7 @@ Design decisions (padded):
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import threading
@@ -51,14 +52,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers import masking_utils
+from transformers import CompileConfig, masking_utils
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 from transformers.utils import ModelOutput
 
 from .cache import CacheConfig, is_flexible_cache, plan_capacities
 from .cache.config import overflow_message
-from .compilation import compile_settings
 from .log import get_logger
 from .ownership import pool_of
 from .request import cache_config_of, requested_cache_config
@@ -74,6 +74,26 @@ PER_TOKEN_INPUTS = {
     "position_ids": 0,
     "token_type_ids": 0,
 }
+
+
+# Inductor settings that dynamo reads while tracing, so that `torch.compile(options=...)` comes too late for them.
+TRACE_TIME_OPTIONS = ("freezing",)
+
+
+@contextlib.contextmanager
+def compile_settings(compile_config: CompileConfig | None):
+    """Within this context, the inductor settings of `compile_config.options` that dynamo reads while tracing
+    (`TRACE_TIME_OPTIONS`) are in force, as the config asks; the previous values are restored afterwards.
+
+    It patches a global of inductor for the duration: compile (`compilation.warmup()`) before calls run in several threads.
+    """
+    options = getattr(compile_config, "options", None) or {}
+    patch = {name: options[name] for name in TRACE_TIME_OPTIONS if name in options}
+    if not patch:
+        yield
+        return
+    with torch._inductor.config.patch(patch):
+        yield
 
 
 class PaddingRowsStoppingCriteria(StoppingCriteria):

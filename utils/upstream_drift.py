@@ -6,6 +6,9 @@ internals without copying any of them. Each upstream object involved is an entry
 of its source at `PINNED_TRANSFORMERS_VERSION`. `tests/test_upstream_drift.py` fails when the installed transformers
 has different code for one of them, and the message says which code of ours to re-check, and what in it.
 
+It lives outside the runtime package, as transformers keeps `utils/check_copies.py`: only the drift test uses it, and
+an installed package never reads it.
+
 Design decisions:
 - A fingerprint hashes the object's source parsed with `ast`, with docstrings dropped and without positions, so
   comments, formatting and documentation never count, only code. Fields that are empty or None are left out of the
@@ -232,7 +235,7 @@ def drift_message(name: str, found: str, users: list[tuple[str, str, str]], rech
     ours = " and ".join(f"{user} ({path}), which {verb}" for user, path, verb in users) or "nothing (a stale entry)"
     return (
         f"{name} changed since transformers=={version} (fingerprint {UPSTREAM[name].fingerprint} -> {found}); "
-        f"re-check {ours}: {recheck}; then update its fingerprint in UPSTREAM (transformers_flexcache/upstream.py)"
+        f"re-check {ours}: {recheck}; then update its fingerprint in UPSTREAM (utils/upstream_drift.py)"
     )
 
 

@@ -42,7 +42,8 @@ from transformers.configuration_utils import PreTrainedConfig
 
 from .cache import is_flexible_cache, layer_specs_from_config
 from .modeling import FlexModelMixin
-from .request import requested_cache_config
+from .plan import current_plan
+from .request import FLEXIBLE_STATIC
 from .source_check import CacheRead, upstream_cache_reads
 
 # What a model whose code reads cache internals would need instead.
@@ -206,7 +207,9 @@ class GenericFlexModelMixin(FlexModelMixin):
         Raises:
             ValueError: the call asks for the flexible cache and `config_reasons_against` gives reasons.
         """
-        if requested_cache_config(generation_config) is not None or is_flexible_cache(model_kwargs.get("cache")):
+        plan = current_plan(self)
+        asks = plan.flexible if plan is not None else generation_config.cache_implementation == FLEXIBLE_STATIC
+        if asks or is_flexible_cache(model_kwargs.get("cache")):
             upstream_class = type(self).flex_upstream_class()
             reasons = config_reasons_against(upstream_class, self.config)
             if reasons:

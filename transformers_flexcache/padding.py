@@ -329,8 +329,8 @@ class PaddedPolicy:
         Raises:
             ValueError: a capacity is not set, or `max_new_tokens` does not fit `max_cache_len`.
         """
-        length_name = "max_encoder_len" if model.config.is_encoder_decoder else "max_prompt_len"
-        names = ("max_batch_size", "max_cache_len", length_name)
+        shape_name = "max_encoder_len" if model.config.is_encoder_decoder else "max_prompt_len"
+        names = ("max_batch_size", "max_cache_len", shape_name)
         missing = [name for name in names if config.limit(name) is None]
         if missing:
             example = ", ".join(f'"{name}": ...' for name in missing)
@@ -341,7 +341,7 @@ class PaddedPolicy:
         capacities = {name: config.limit(name) for name in names}
         # A decoder-only call writes its (padded) prompt and `new - 1` generated tokens; an encoder-decoder call its
         # decoder start token and `new - 1` generated tokens (upstream's `max_length - 1`).
-        first = capacities["max_prompt_len"] if length_name == "max_prompt_len" else 1
+        first = capacities["max_prompt_len"] if shape_name == "max_prompt_len" else 1
         if first + max_new_tokens - 1 > capacities["max_cache_len"]:
             raise ValueError(
                 f"max_new_tokens={max_new_tokens} after a prompt of {first} needs max_cache_len="
@@ -358,8 +358,8 @@ class PaddedPolicy:
         )
         shapes = []
         for rows in rows_sizes:
-            for length in self.sizes(config, length_name, capacities[length_name]):
-                offset = length - 1 if length_name == "max_prompt_len" else 0
+            for length in self.sizes(config, shape_name, capacities[shape_name]):
+                offset = length - 1 if shape_name == "max_prompt_len" else 0
                 windows = {}  # decoder length bucket -> the most new tokens that stay in it
                 for new_tokens in range(1, max_new_tokens + 1):
                     windows[self.padded_size(config, "max_cache_len", offset + new_tokens, capacities)] = new_tokens

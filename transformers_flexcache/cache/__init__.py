@@ -6,11 +6,13 @@ Layout (one job per file):
 - `capacity.py`: a call's `Need`, and `decide`: the one capacity decision of a call (a `Reservation`).
 - `layers.py`: attention storage of one layer, exact, padded and bucketed (`LayerSpec`: what a layer holds, and
   where).
-- `sliding.py`: sliding-window attention storage of one layer (the last positions of each row), exact and padded.
+- `sliding.py`: sliding-window attention storage of one layer (the last positions of each row), exact, padded and
+  bucketed.
 - `linear_attention.py`: Mamba conv/recurrent storage of one layer, its shapes, and the cache's state accessors.
 - `specs.py`: a decoder's layer specs from its config; `placement.py`: refined from the loaded model (devices,
   tensor-parallel heads, dtypes).
 - `lifecycle.py`: what every flexible cache does with its storage (reserve, renew, stale, free, detach, bytes).
+- `layer_cache.py`: a cache of layers (live batch and length, growth, `get_kv`/`update`), shared by the two below.
 - `containers.py`: the self-attention, cross-attention and encoder-decoder caches.
 - `kind.py`: `CacheKind`, what tells caches apart in a pool, and `build()`.
 - `buffer_views.py`: caches over an export wrapper's buffers, built for one call of an exported program (used by

@@ -38,7 +38,6 @@ from transformers.models.pix2struct.modeling_pix2struct import (
 from model_overrides.t5 import per_row_relative_bias
 from transformers_flexcache.cache import has_cross_attention_kv
 from transformers_flexcache.modeling import FlexModelMixin
-from transformers_flexcache.request import FLEXIBLE_STATIC, asks_for_flexible
 
 
 class FlexPix2StructTextAttention(Pix2StructTextAttention):
@@ -115,18 +114,15 @@ class FlexPix2StructForConditionalGeneration(FlexModelMixin, Pix2StructForCondit
         """Wraps `GenerationMixin._prepare_generation_config` (transformers==5.24.0).
 
         Differences: when the call asks for `cache_implementation="flexible_static"` (in its kwargs, its
-        `generation_config`, or the model's) and does not pass `use_cache` to `generate`, it runs with
+        `generation_config`, or the model's: the request of the call's plan) and does not pass `use_cache` to
+        `generate`, it runs with
         `use_cache=True` instead of the `False` that the generation config inherits from `Pix2StructTextConfig`. A
         `generation_config` cannot tell an inherited `False` from a chosen one, so only `generate(use_cache=False)`
         keeps the cache off. It is set before upstream merges the call's settings, so upstream's "cache_implementation
         may be ignored" warning is not raised for them; a name found only in the model's own `generation_config` still
         gets that warning (once, while upstream merges it), although the cache is used.
         """
-        named = kwargs.get("cache_implementation")
-        asks = (named == FLEXIBLE_STATIC) if named is not None else None
-        for source in (generation_config, self.generation_config):
-            asks = asks_for_flexible(source) if asks is None else asks
-        if asks and kwargs.get("use_cache") is None:
+        if self._flex_request(generation_config, kwargs).flexible and kwargs.get("use_cache") is None:
             if generation_config is None:
                 kwargs["use_cache"] = True
             else:

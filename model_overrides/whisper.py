@@ -18,7 +18,8 @@ Upstream (transformers==5.24.0) needs two changes to run on a flexible cache:
 the rows back at the end; for the cache that is a copy to the CPU of every row (a per-call allocation).
 `_postprocess_outputs` and `_stack_split_outputs` keep the flexible cache instead: `generate` returns it (no copy)
 when its rows are the call's rows, and copies rows only when a temperature fallback is about to reuse the storage
-(rows then come from several calls, as upstream's copy does).
+(rows then come from several calls, as upstream's copy does): the call's lease of that storage copies them first
+(`Lease.before_reuse`).
 
 With `cache_config={"shape_policy": "padded"}` (fixed shapes for `torch.compile`), two things are Whisper's own:
 - Whisper's generate calls upstream's once per 30-second segment and per temperature fallback, on the rows still
@@ -52,9 +53,10 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from transformers_flexcache.cache import FlexibleEncoderDecoderCache, has_cross_attention_kv
+from transformers_flexcache.cache.seats import RequestSeats
 from transformers_flexcache.generation import FlexCacheInnerGenerateMixin
 from transformers_flexcache.modeling import FlexModelMixin
-from transformers_flexcache.serving.worker import RequestSeats
+from transformers_flexcache.plan import current_plan
 
 
 class FlexWhisperAttention(WhisperAttention):
@@ -228,12 +230,14 @@ class FlexWhisperDecoder(WhisperDecoder):
 
 
 class _CacheRows:
-    """The rows of one flexible cache that Whisper's post-processing kept, copied only if its storage is reused."""
+    """The rows of one flexible cache that Whisper's post-processing kept, copied only if its storage is reused (the
+    running call's lease of the cache calls `_copy_all` before a later lease reuses it)."""
 
-    def __init__(self, cache: FlexibleEncoderDecoderCache):
+    def __init__(self, cache: FlexibleEncoderDecoderCache, lease):
         self.cache = cache
         self.copies: list | None = None
-        cache.__dict__.setdefault("_before_reuse", []).append(self._copy_all)
+        if lease is not None:
+            lease.before_reuse(self._copy_all)
 
     def _copy_all(self) -> None:
         if self.copies is not None:
@@ -275,6 +279,15 @@ class FlexWhisperForConditionalGeneration(
     _flex_module_classes = {WhisperAttention: FlexWhisperAttention, WhisperDecoder: FlexWhisperDecoder}
     # Padded mode pads the mask that `FlexWhisperDecoder` reads; `attention_mask` masks log-mel frames.
     _flex_encoder_mask_key = "encoder_attention_mask"
+    # Whisper's generate repeats each input per returned sequence before upstream's generate expands beams.
+    _flex_repeats_inputs_per_sequence = True
+
+    def _flex_encoder_len(self, inputs_tensor, model_input_name: str, model_kwargs: dict) -> int:
+        """Encoder positions of a call: its encoder's convolutions halve the log-mel frames (`input_features`:
+        `[B, mel, frames]`), unless `encoder_outputs` are given."""
+        if model_kwargs.get("encoder_outputs") is not None or model_input_name != "input_features":
+            return super()._flex_encoder_len(inputs_tensor, model_input_name, model_kwargs)
+        return int(self._get_feat_extract_output_lengths(torch.tensor(inputs_tensor.shape[-1])))
 
     def _postprocess_outputs(
         self, seek_outputs, decoder_input_ids, return_token_timestamps, generation_config, **kwargs
@@ -303,7 +316,8 @@ class FlexWhisperForConditionalGeneration(
             without_cache, decoder_input_ids, return_token_timestamps, generation_config, **kwargs
         )
         if isinstance(rows, list):
-            shared = _CacheRows(cache) if kwargs.get("is_shortform") else None
+            plan = current_plan(self)
+            shared = _CacheRows(cache, plan and plan.lease_of(cache)) if kwargs.get("is_shortform") else None
             for index, row in enumerate(rows):
                 # Upstream keeps no cache for long-form calls ("too costly"): neither does this.
                 row["cache"] = _RowOf(shared, index) if shared is not None else None

@@ -38,7 +38,6 @@ from model_overrides.pegasus import FlexPegasusForConditionalGeneration
 from model_overrides.pix2struct import FlexPix2StructForConditionalGeneration
 from model_overrides.t5 import FlexT5ForConditionalGeneration
 from model_overrides.whisper import FlexWhisperForConditionalGeneration
-from tests.helpers import SCORE_ATOL
 from transformers_flexcache import zoo
 from transformers_flexcache.generic import flex_class_for
 
@@ -92,10 +91,6 @@ class ModelCase:
     # Why this model cannot compile a padded generate stream into one decode graph, with what was measured; the
     # compile tests then expect it to fail (strict xfail) instead of passing. Empty: it must reach one graph.
     compile_opt_out: str = ""
-    # Score tolerance of the padded-mode tests, which run every call at max_batch_size rows. Float sums depend on the
-    # batch (matmul kernels block by rows), so a model whose own DynamicCache scores move with the batch needs more
-    # than SCORE_ATOL; set it to what upstream itself was measured to move.
-    padded_score_atol: float = SCORE_ATOL
 
     def build(self, attn_implementation: str = "eager", seed: int = 0):
         """(upstream model, override model) with identical seeded weights, in eval mode."""
@@ -188,10 +183,6 @@ WHISPER = ModelCase(
     # Log-mel features, not encoder outputs: upstream's Whisper generate cannot expand `encoder_outputs` for
     # num_return_sequences (it repeats `input_features`, which is then None).
     decoding_input_len=WHISPER_MAX_SOURCE_POSITIONS,
-    # Upstream's DynamicCache alone moves this model's scores (up to ~12 in size, init_std 0.5) by up to 7.6e-5
-    # when the same input runs in a batch of 4 instead of 2 (2.1e-5 for 4 instead of 1); without the cross mask that
-    # padded mode adds, scores are off by 9.3 with other tokens.
-    padded_score_atol=1e-4,
 )
 
 BART = ModelCase(
@@ -226,14 +217,7 @@ def _bart_family_case(model_type: str, upstream_class: type, flex_class: type, *
     )
 
 
-MARIAN = _bart_family_case(
-    "marian",
-    MarianMTModel,
-    FlexMarianMTModel,
-    # Upstream's own StaticCache (max_cache_len 16) on the padded inputs of tests/test_compile.py moves this model's
-    # scores (up to ~8 in size, init_std 0.5) by up to 1.2e-5 from its DynamicCache's (sdpa; 4.5e-6 eager).
-    padded_score_atol=2e-5,
-)
+MARIAN = _bart_family_case("marian", MarianMTModel, FlexMarianMTModel)
 M2M_100 = _bart_family_case("m2m_100", M2M100ForConditionalGeneration, FlexM2M100ForConditionalGeneration)
 MBART = _bart_family_case("mbart", MBartForConditionalGeneration, FlexMBartForConditionalGeneration)
 PEGASUS = _bart_family_case("pegasus", PegasusForConditionalGeneration, FlexPegasusForConditionalGeneration)

@@ -11,7 +11,7 @@ import torch
 from torch._dynamo.testing import CompileCounter
 from transformers import CompileConfig
 
-from tests.helpers import assert_same_generation, generate_both
+from tests.helpers import assert_same_generation, assert_same_padded_generation, generate_both
 from tests.model_cases import LLAMA, MODEL_CASES, T5
 from transformers_flexcache import warmup
 from transformers_flexcache.cache import CacheConfig
@@ -77,7 +77,9 @@ def test_bucketed_greedy_generation_matches_dynamic_cache(case, batch_size, leng
         do_sample=False,
         **case.generate_kwargs,
     )
-    assert_same_generation(expected, actual, atol=case.padded_score_atol)
+    assert_same_padded_generation(
+        upstream, flex, inputs, expected, actual, max_new_tokens=new_tokens, do_sample=False, **case.generate_kwargs
+    )
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -94,7 +96,17 @@ def test_bucketed_beam_search_matches_dynamic_cache(case):
         do_sample=False,
         **case.generate_kwargs,
     )
-    assert_same_generation(expected, actual, atol=case.padded_score_atol)
+    assert_same_padded_generation(
+        upstream,
+        flex,
+        inputs,
+        expected,
+        actual,
+        max_new_tokens=3,
+        num_beams=2,
+        do_sample=False,
+        **case.generate_kwargs,
+    )
 
 
 @pytest.mark.parametrize(
@@ -172,7 +184,8 @@ def test_bucketed_stream_compiles_one_decode_graph_per_bucket_it_visits(case):
             compile_config=compile_config,
             **case.generate_kwargs,
         )
-        assert_same_generation(expected, actual, atol=case.padded_score_atol)
+        common = {"max_new_tokens": new_tokens, "do_sample": False, **case.generate_kwargs}
+        assert_same_padded_generation(upstream, flex, inputs, expected, actual, **common)
     # Whisper's log-mel input (length 12, the tiny encoder's window) and its shorter encoder outputs land in the same
     # buckets as the token lengths of the other models.
     assert counter.frame_count == len(stream_buckets(flex))

@@ -14,7 +14,7 @@ import torch
 from torch._dynamo.testing import CompileCounter
 from transformers import CompileConfig
 
-from tests.helpers import assert_same_generation
+from tests.helpers import assert_same_padded_generation
 from tests.model_cases import MODEL_CASES
 
 # (batch, prompt or encoder length, new tokens): every call a new batch and length.
@@ -82,7 +82,7 @@ def run_stream(case, upstream, flex, counter: CompileCounter, **flex_kwargs) -> 
         actual = flex.generate(
             **inputs, cache_implementation="flexible_static", cache_config=padded_config(flex), **common, **flex_kwargs
         )
-        assert_same_generation(expected, actual, atol=case.padded_score_atol)
+        assert_same_padded_generation(upstream, flex, inputs, expected, actual, **common)
         graphs.append(counter.frame_count)
     return graphs
 

@@ -1,6 +1,6 @@
 """The generic route (`transformers_flexcache.generic`): decoder-only models that need no module change.
 
-The listed types (`registry.GENERIC_MODEL_TYPES`) run the whole `MODEL_CASES` matrix; this file checks how a class is
+The listed types (`catalogue.GENERIC_MODEL_TYPES`) run the whole `MODEL_CASES` matrix; this file checks how a class is
 judged from its source and its config, that a generated class is found by name like a written one, that a model type
 outside the list converts and generates like DynamicCache, and that refusals name the function, the expression and
 what would be needed.
@@ -31,7 +31,7 @@ import transformers_flexcache
 from tests.helpers import assert_same_generation, generate_both
 from tests.model_cases import GPT2, LLAMA
 from transformers_flexcache import convert, generic, register, saved, unregister, zoo
-from transformers_flexcache.registry import GENERIC_MODEL_TYPES
+from transformers_flexcache.catalogue import GENERIC_MODEL_TYPES
 from transformers_flexcache.source_check import model_code
 
 

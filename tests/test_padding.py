@@ -1,11 +1,23 @@
-"""generate(cache_config={"shape_policy": "padded"}) against upstream's DynamicCache: fixed shapes, same outputs."""
+"""generate(cache_config={"shape_policy": "padded"}) against upstream's DynamicCache: fixed shapes, same outputs.
+
+Scores of padded calls are compared within the tolerance derived from upstream's own movement on the call padded the
+same way (`tests/helpers.py`); the first two tests below show why that is the right reference: a padded call computes
+exactly what upstream's own StaticCache computes on the padded inputs, and a masking slip moves scores by far more.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.helpers import assert_same_generation, generate_both
+from tests.helpers import (
+    assert_same_padded_generation,
+    generate_both,
+    own_copy,
+    padded_call_atol,
+    padded_like_the_policy,
+    score_difference,
+)
 from tests.model_cases import MODEL_CASES
 from tests.test_generation import CAPACITY, SHAPE_STREAM
 from transformers_flexcache.padding import PaddingRowsStoppingCriteria
@@ -31,6 +43,74 @@ def padded_config(model, **overrides) -> dict:
     return {"max_prompt_len": max(length for _, length, _ in SHAPE_STREAM), **config}
 
 
+def _padded_call(case, attn: str):
+    """(upstream, flex, inputs, DynamicCache output, padded flexible output, the inputs padded as the policy padded
+    them) for a call of 2 inputs padded to 4 rows, 12 encoder positions or a prompt of 9, 20 decoder positions."""
+    upstream, flex = case.build(attn)
+    encoder_decoder = flex.config.is_encoder_decoder
+    config = {"max_batch_size": 4, "max_cache_len": 20, "shape_policy": "padded"}
+    config.update({"max_encoder_len": 12} if encoder_decoder else {"max_prompt_len": 9})
+    inputs = case.make_inputs(2, case.decoding_input_len or 5, torch.Generator().manual_seed(3))
+    common = {"max_new_tokens": 4, "do_sample": False, **case.generate_kwargs}
+    expected, actual = generate_both(upstream, flex, inputs, cache_config=config, **common)
+    padded, _ = padded_like_the_policy(
+        upstream,
+        inputs,
+        num_inputs=4,
+        encoder_len=12 if encoder_decoder else None,
+        prompt_len=None if encoder_decoder else 9,
+    )
+    return upstream, flex, inputs, expected, actual, padded
+
+
+def _static_run(upstream, inputs: dict, case):
+    return upstream.generate(
+        **own_copy(inputs),
+        cache_implementation="static",
+        max_cache_len=20,
+        max_new_tokens=4,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_scores=True,
+        **case.generate_kwargs,
+    )
+
+
+@pytest.mark.parametrize(("case", "attn"), CASE_AND_ATTN)
+def test_a_padded_call_gives_the_scores_of_upstreams_own_static_cache_on_the_inputs_padded_the_same_way(case, attn):
+    # Issue 21: Marian's padded scores moved 6e-5 to 7.3e-5 from DynamicCache's on an AMD EPYC. Upstream's own model,
+    # with its StaticCache on the same padded inputs, moves exactly as far: the difference is upstream's float noise at
+    # the padded shapes (rows, masked lengths), not a masking slip of ours. Measured bitwise equal for every model.
+    upstream, _, _, expected, actual, padded = _padded_call(case, attn)
+    reference = _static_run(upstream, padded, case)
+    rows = actual.sequences.shape[0]
+    assert torch.equal(reference.sequences[:rows, -len(actual.scores) :], actual.sequences[:, -len(actual.scores) :])
+    for step, (want, got) in enumerate(zip(reference.scores, actual.scores, strict=True)):
+        assert torch.equal(want[: got.shape[0]], got), (
+            f"step {step}: scores differ by {(want[:rows] - got).abs().max()}"
+        )
+
+
+CROSS_MASKED_CASES = [
+    pytest.param(case, id=case.name)
+    for case in MODEL_CASES
+    if case.build_config().is_encoder_decoder and case.name != "whisper"  # upstream's Whisper reads no cross mask
+]
+
+
+@pytest.mark.parametrize("case", CROSS_MASKED_CASES)
+def test_attending_to_padded_encoder_outputs_moves_scores_far_beyond_the_derived_tolerance(case):
+    # The derived tolerance tells float noise from a masking slip: upstream's own model attending to the padding (its
+    # mask all ones) moves scores by 0.8 to 5 where the tolerance is below 2e-4.
+    upstream, flex, inputs, expected, actual, padded = _padded_call(case, "eager")
+    atol = padded_call_atol(
+        upstream, flex, inputs, expected, actual, max_new_tokens=4, do_sample=False, **case.generate_kwargs
+    )
+    slip = _static_run(upstream, {**padded, "attention_mask": torch.ones_like(padded["attention_mask"])}, case)
+    assert score_difference(expected, actual) <= atol < 2e-4
+    assert score_difference(expected, slip) > 100 * atol
+
+
 @pytest.mark.parametrize(("case", "attn"), CASE_AND_ATTN)
 def test_padded_stream_matches_dynamic_cache_at_full_batch_on_one_storage(case, attn):
     upstream, flex = case.build(attn)
@@ -47,7 +127,8 @@ def test_padded_stream_matches_dynamic_cache_at_full_batch_on_one_storage(case, 
             do_sample=False,
             **case.generate_kwargs,
         )
-        assert_same_generation(expected, actual, atol=case.padded_score_atol)
+        common = {"max_new_tokens": new_tokens, "do_sample": False, **case.generate_kwargs}
+        assert_same_padded_generation(upstream, flex, inputs, expected, actual, **common)
         # the model ran every call at max_batch_size rows: padding rows were added and cut from the outputs
         assert flex.flexible_cache.batch_size == CAPACITY["max_batch_size"]
         pointers.append(flex.flexible_cache.data_ptrs())
@@ -75,7 +156,8 @@ def test_padded_beam_search_with_return_sequences_matches_dynamic_cache(case):
             num_return_sequences=2,
             **case.generate_kwargs,
         )
-        assert_same_generation(expected, actual, atol=case.padded_score_atol)
+        common = {"max_new_tokens": 4, "do_sample": False, "num_beams": 3, "num_return_sequences": 2}
+        assert_same_padded_generation(upstream, flex, inputs, expected, actual, **common, **case.generate_kwargs)
         assert actual.sequences.shape[0] == batch_size * 2
         assert flex.flexible_cache.batch_size == 18
 
@@ -95,7 +177,9 @@ def test_padded_encoder_outputs_are_masked_when_the_call_passes_no_attention_mas
         do_sample=False,
         **case.generate_kwargs,
     )
-    assert_same_generation(expected, actual, atol=case.padded_score_atol)
+    assert_same_padded_generation(
+        upstream, flex, inputs, expected, actual, max_new_tokens=4, do_sample=False, **case.generate_kwargs
+    )
     assert flex.flexible_cache.get_encoder_length() == CAPACITY["max_encoder_len"]
 
 
@@ -113,7 +197,8 @@ def test_max_length_counts_from_the_real_prompt_when_the_prompt_is_padded(case):
         do_sample=False,
         **case.generate_kwargs,
     )
-    assert_same_generation(expected, actual, atol=case.padded_score_atol)
+    common = {"max_length": 9, "min_length": 7, "do_sample": False, **case.generate_kwargs}
+    assert_same_padded_generation(upstream, flex, inputs, expected, actual, **common)
     assert actual.sequences.shape[1] == 9
 
 
@@ -132,16 +217,10 @@ def test_prompt_over_max_prompt_len_with_on_overflow_error_raises_and_the_next_c
             max_new_tokens=3,
             **case.generate_kwargs,
         )
-    expected, actual = generate_both(
-        upstream,
-        flex,
-        case.make_inputs(3, 6, generator),
-        cache_config=config,
-        max_new_tokens=3,
-        do_sample=False,
-        **case.generate_kwargs,
-    )
-    assert_same_generation(expected, actual, atol=case.padded_score_atol)
+    inputs = case.make_inputs(3, 6, generator)
+    common = {"max_new_tokens": 3, "do_sample": False, **case.generate_kwargs}
+    expected, actual = generate_both(upstream, flex, inputs, cache_config=config, **common)
+    assert_same_padded_generation(upstream, flex, inputs, expected, actual, **common)
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
 """register() / unregister() through transformers' AutoModel mappings, and convert(model) in place.
 
-Every override in `registry.flex_model_classes()` is tested against every AutoModel class that upstream maps to the
+Every override in `catalogue.flex_model_classes()` is tested against every AutoModel class that upstream maps to the
 class it overrides (found generically, as `register()` finds them), so a new override is covered when it is merged.
 """
 
@@ -32,7 +32,7 @@ from tests.helpers import assert_same_generation, generate_both
 from tests.model_cases import MODEL_CASES
 from transformers_flexcache import convert, register, unregister
 from transformers_flexcache.auto_classes import auto_classes_for, auto_mappings
-from transformers_flexcache.registry import flex_model_classes
+from transformers_flexcache.catalogue import flex_model_classes
 
 
 def _case_for(flex_class):

@@ -1,6 +1,6 @@
 """Upstream drift: every upstream object that our code copies, wraps, mirrors or relies on still has the source we read.
 
-The table is `transformers_flexcache.upstream.UPSTREAM`; our side of each entry is found at test time, from the
+The table is `utils.upstream_drift.UPSTREAM`; our side of each entry is found at test time, from the
 docstrings of the package sources (`Derived from`, `Overrides`, `Wraps`, `Mirrors`) and from the entries' `users`.
 """
 
@@ -10,8 +10,8 @@ import textwrap
 
 import pytest
 
-from transformers_flexcache import upstream
-from transformers_flexcache.upstream import UPSTREAM, Upstream
+from utils import upstream_drift as upstream
+from utils.upstream_drift import UPSTREAM, Upstream
 
 REFERENCES = upstream.find_references()
 DEFINITIONS = upstream.find_definitions()
@@ -47,7 +47,7 @@ def test_every_docstring_that_names_an_upstream_object_has_exactly_one_fingerpri
         for reference in REFERENCES
         if len(upstream.entry_for(reference.upstream)) != 1
     ]
-    assert not unmatched, "add one entry per upstream object to UPSTREAM (transformers_flexcache/upstream.py):\n" + (
+    assert not unmatched, "add one entry per upstream object to UPSTREAM (utils/upstream_drift.py):\n" + (
         "\n".join(unmatched)
     )
 

@@ -3,14 +3,16 @@
 Importing this package changes nothing in transformers, and imports neither model code nor executorch; call
 `register()` (or `convert(model)`) to opt in.
 
-Package map (details in docs/design.md):
-- `cache/`: the caches (config, layers, containers, placement); they alone decide capacity and growth.
-- `request.py`: how a generate call asks for the flexible cache; `generation.py`: what a call needs, and taking a
-  cache for it; `ownership.py`: the pool of caches a model holds, leases, `release`.
-- `padding.py`: the shape policies (what the fixed-shape modes add around `generate`); `compilation.py`: the
-  compiled path (`compile_config_for_cpu()`, `warmup()`).
-- `registry.py`, `modeling.py`, `auto_classes.py`, `saved.py`: registration, override models, saved folders.
-- `export/`: torch.export and ExecuTorch programs; `bench/`: the benchmark (nothing else imports it).
+Package map, in the order modules import each other (details in docs/design.md):
+- `cache/`: the caches (config, capacity, layers, lifecycle, containers, kind, placement); `cache.capacity.decide`
+  is the one capacity decision of a call.
+- generate: `request.py` (how a call asks for the flexible cache), `ownership.py` (the pool of caches a model holds,
+  its capacity question, leases, `release`), `padding.py` (the shape policies), `plan.py` (`CallPlan`: one generate
+  call, one object), `generation.py` (the generate door and upstream's hooks), `compilation.py` (the compiled path:
+  `compile_config_for_cpu()`, `warmup()`).
+- models: `modeling.py`, `generic.py` (override classes), `catalogue.py` (which ones exist), `registry.py`,
+  `auto_classes.py`, `saved.py` (registration and saved folders); `model_overrides/` beside this package.
+- `export/`: torch.export and ExecuTorch programs; `bench/`: the benchmark (nothing but the command line imports it).
 """
 
 from .cache import CacheConfig, FlexibleCrossAttentionCache, FlexibleEncoderDecoderCache, FlexibleStaticCache

@@ -24,6 +24,8 @@ from transformers.models.auto.auto_factory import _BaseAutoModelClass, _LazyAuto
 
 # The module that `save_pretrained` writes beside `config.json`; `auto_map` entries point into it.
 REMOTE_CODE_MODULE = "modeling_flexcache"
+# The format of the `REMOTE_CODE_MODULE` this package writes; `saved.READABLE_FORMAT_VERSIONS` are those it reads.
+FORMAT_VERSION = 1
 
 _MODULE_TEMPLATE = '''"""Written by transformers-flexcache's `save_pretrained`: the model classes of this folder.
 
@@ -84,8 +86,6 @@ def write_remote_code_module(flex_class: type, save_directory: str | os.PathLike
         `str`: the path of the written file.
     """
     path = os.path.join(save_directory, f"{REMOTE_CODE_MODULE}.py")
-    from .saved import FORMAT_VERSION
-
     source = _MODULE_TEMPLATE.format(
         name=flex_class.__name__,
         upstream_name=flex_class.flex_upstream_class().__name__,

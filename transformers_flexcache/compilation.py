@@ -25,19 +25,24 @@ Design decisions:
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from transformers import CompileConfig
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
 from .cache import CacheConfig
+from .padding import POLICIES, compile_settings
 from .request import FLEXIBLE_STATIC
 
 # Forwards of each warm-up call: the first, one decode step that compiles, one that records CUDA graphs.
 WARMUP_FORWARDS = 3
 # Inductor settings of `compile_config_for_cpu`, measured (docs/compile.md, "Compiling `generate`").
 CPU_INDUCTOR_OPTIONS = {"freezing": True}
+
+__all__ = [
+    "compile_config_for_cpu",
+    "compile_settings",
+    "warmup",
+]  # `compile_settings` lives with its user, padding.py
 
 
 def compile_config_for_cpu(*, fullgraph: bool = True, **options) -> CompileConfig:
@@ -70,26 +75,6 @@ def compile_config_for_cpu(*, fullgraph: bool = True, **options) -> CompileConfi
     )
     config._compile_all_devices = True  # upstream's generate compiles on CPU only when told to
     return config
-
-
-# Inductor settings that dynamo reads while tracing, so that `torch.compile(options=...)` comes too late for them.
-TRACE_TIME_OPTIONS = ("freezing",)
-
-
-@contextlib.contextmanager
-def compile_settings(compile_config: CompileConfig | None):
-    """Within this context, the inductor settings of `compile_config.options` that dynamo reads while tracing
-    (`TRACE_TIME_OPTIONS`) are in force, as the config asks; the previous values are restored afterwards.
-
-    It patches a global of inductor for the duration: compile (`warmup()`) before calls run in several threads.
-    """
-    options = getattr(compile_config, "options", None) or {}
-    patch = {name: options[name] for name in TRACE_TIME_OPTIONS if name in options}
-    if not patch:
-        yield
-        return
-    with torch._inductor.config.patch(patch):
-        yield
 
 
 class StopAfterSteps(StoppingCriteria):
@@ -149,8 +134,6 @@ def warmup(
             shapes than dynamo keeps graphs of one function (`torch._dynamo.config.recompile_limit`): the others would
             run eagerly, without a word.
     """
-    from .padding import POLICIES  # padding.py imports this module
-
     config = CacheConfig.parse(cache_config)
     policy = POLICIES[config.shape_policy]
     if not policy.fixed_shapes:

@@ -21,13 +21,17 @@ Design decisions:
 - Classes are built once per upstream class and kept; `__module__` is this module, which resolves any
   `Flex<UpstreamName>` by name (module `__getattr__`), so pickling, `saved.override_class` and a saved folder's
   `modeling_flexcache.py` find a generated class like a written one.
-- Nothing is registered here: `registry.py` registers the generated classes of `registry.GENERIC_MODEL_TYPES` (the
+- Nothing is registered here: `registry.py` registers the generated classes of `catalogue.GENERIC_MODEL_TYPES` (the
   types the test matrix covers) and converts any other eligible model on request.
+- A class with a written override (`model_overrides/<model_type>.py`, one module per type) is never generated: that
+  module is looked up by the class's `model_type`, so this module needs no list of the written ones.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.util
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,7 +42,8 @@ from transformers.configuration_utils import PreTrainedConfig
 
 from .cache import is_flexible_cache, layer_specs_from_config
 from .modeling import FlexModelMixin
-from .request import requested_cache_config
+from .plan import current_plan
+from .request import FLEXIBLE_STATIC
 from .source_check import CacheRead, upstream_cache_reads
 
 # What a model whose code reads cache internals would need instead.
@@ -88,6 +93,15 @@ _built: dict[type, type] = {}
 
 def _model_type(upstream_class: type) -> str:
     return getattr(getattr(upstream_class, "config_class", None), "model_type", "") or upstream_class.__name__.lower()
+
+
+def written_override_of(upstream_class: type) -> type | None:
+    """The written override class of `upstream_class` in `model_overrides/<model_type>.py`, or None."""
+    name = f"model_overrides.{_model_type(upstream_class)}"
+    if importlib.util.find_spec("model_overrides") is None or importlib.util.find_spec(name) is None:
+        return None
+    classes = getattr(importlib.import_module(name), "FLEX_MODEL_CLASSES", ())
+    return next((flex_class for flex_class in classes if flex_class.flex_upstream_class() is upstream_class), None)
 
 
 def _unreviewed(upstream_class: type) -> tuple[list[CacheRead], list[tuple[ReviewedReads, list[CacheRead]]]]:
@@ -193,7 +207,9 @@ class GenericFlexModelMixin(FlexModelMixin):
         Raises:
             ValueError: the call asks for the flexible cache and `config_reasons_against` gives reasons.
         """
-        if requested_cache_config(generation_config) is not None or is_flexible_cache(model_kwargs.get("cache")):
+        plan = current_plan(self)
+        asks = plan.flexible if plan is not None else generation_config.cache_implementation == FLEXIBLE_STATIC
+        if asks or is_flexible_cache(model_kwargs.get("cache")):
             upstream_class = type(self).flex_upstream_class()
             reasons = config_reasons_against(upstream_class, self.config)
             if reasons:
@@ -210,12 +226,10 @@ def flex_class_for(upstream_class: type) -> type[GenericFlexModelMixin]:
         TypeError: the class has a written override in `model_overrides/` (one class per upstream class), or its code
             reads cache internals (each read named, with what would be needed instead).
     """
-    from .registry import written_model_classes
-
     with _lock:
         if upstream_class in _built:
             return _built[upstream_class]
-        written = next((c for c in written_model_classes() if c.flex_upstream_class() is upstream_class), None)
+        written = written_override_of(upstream_class)
         if written is not None:
             raise TypeError(
                 f"{upstream_class.__name__} has a written override, {written.__module__}.{written.__name__}; use it "

@@ -20,9 +20,9 @@ from transformers.modeling_utils import PreTrainedModel
 from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
 
 from .auto_classes import auto_map_for, write_remote_code_module
+from .cache.seats import RequestSeats
 from .generation import FlexCacheGenerationMixin
 from .request import normalize_saved_form
-from .serving.worker import RequestSeats
 
 
 def swap_module_classes(model: nn.Module, module_classes: dict[type, type]) -> int:

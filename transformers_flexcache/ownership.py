@@ -2,7 +2,10 @@
 
 Design decisions:
 - A model holds a `CachePool`: at most `max_concurrent_calls` caches (default 1), each allocated once and grown
-  only when a call needs more. A `generate` call *leases* one for its duration: nobody else writes that storage until
+  only when a call needs more. The pool sits beside the model (a weak map), not in its `__dict__`: copying, pickling
+  or saving a model never meets it, and a copy starts with an empty pool of its own. It keeps the largest capacities
+  planned for each kind of cache even after freeing that storage (a call of another kind took its place), so a
+  fixed-shape policy keeps padding to them; `release` forgets them. A `generate` call *leases* one for its duration: nobody else writes that storage until
   the call ends. A call that finds every cache leased waits for one (`on_busy="wait"`, the default) or raises
   (`on_busy="error"`); a thread that already holds a lease of the pool never waits for another one (it would wait
   for itself) and raises instead.
@@ -18,32 +21,38 @@ Design decisions:
 - `release(model)` frees every idle cache of the pool at once (and the leased ones when their calls end): upstream
   removed its own hidden cache reuse because "it will keep a big memory footprint without the user noticing"
   (transformers PR #47731). Ours is explicit, counted (`held_nbytes`) and releasable.
-- A lease lasts one `generate` call: `call_scope()` opens around each, and gives back every lease taken in it when it
-  closes, whatever happened in between. A generate call made inside another one of the same thread (each of Whisper's
-  calls per segment and temperature fallback, an assistant model's call per round of assisted decoding) *parks* its
-  leases in the enclosing call when it ends: the storage stays that thread's until the outermost call ends, because
-  that call still reads it (Whisper's post-processing; the assistant's cache, continued at the next round), and only
-  a later call of the same thread may lease it again meanwhile. Given back at once, another thread could reuse it in
-  between and the running call would fail on a stale cache.
+- A lease lasts one `generate` call: the call's plan (`plan.CallPlan`) holds it and gives it back when the call ends,
+  whatever happened in between. A generate call made inside another one of the same thread (each of Whisper's calls
+  per segment and temperature fallback, an assistant model's call per round of assisted decoding) *parks* its leases
+  in the enclosing call when it ends: the storage stays that thread's until the outermost call ends, because that
+  call still reads it (Whisper's post-processing; the assistant's cache, continued at the next round), and only a
+  later call of the same thread may lease it again meanwhile. Given back at once, another thread could reuse it in
+  between and the running call would fail on a stale cache. Whoever still needs what a lease's storage holds when a
+  later lease is about to reuse it (Whisper's rows kept across a temperature fallback) says so with
+  `Lease.before_reuse(hook)`.
+- The pool answers the one capacity question of a call (`decide`: what is held, against the call's need and
+  `cache_config`, in `cache/capacity.py`); leasing then only builds or grows storage to that answer.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from .cache import CacheConfig, is_flexible_cache, plan_capacities
-from .cache.config import Overflow, overflow_message
+from .cache import CacheConfig, CacheKind, Need, Reservation, decide
+from .cache.capacity import PaddedSize
 from .log import get_logger
 
 logger = get_logger(__name__)
 
 DEFAULT_MAX_CONCURRENT_CALLS = 1
-_POOL_ATTR = "_flex_cache_pool"
+# The pool of each model, weakly keyed: it is not in the model's `__dict__`, so `copy.deepcopy(model)`, pickling and
+# `torch.save(model)` never meet it (its lock cannot be copied), a copy starts with an empty pool of its own, and a
+# model's pool goes with the model.
+_pools: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _pool_creation = threading.Lock()
-_frames = threading.local()
 
 
 @dataclass
@@ -51,7 +60,7 @@ class _Slot:
     """One cache's storage in a pool, and who holds it."""
 
     cache: object
-    kind: tuple
+    kind: CacheKind
     lease: Lease | None = None  # the lease that holds it now (None: idle)
     returned: bool = False  # whether the cache object of the last lease went back to the caller
     lease_count: int = 0
@@ -74,6 +83,12 @@ class Lease:
     given_by_caller: bool = False
     parked: bool = False  # its call ended inside an enclosing generate call of the same thread, which keeps it
     _ended: bool = field(default=False, repr=False)
+    _before_reuse: list[Callable[[], None]] = field(default_factory=list, repr=False)
+
+    def before_reuse(self, hook: Callable[[], None]) -> None:
+        """Call `hook` before a later lease of the same thread reuses this lease's storage (while it is parked), e.g.
+        to copy rows that the running call still reads. Hooks of a lease given back are dropped: its call ended."""
+        self._before_reuse.append(hook)
 
     def give_back(self) -> None:
         if not self._ended:
@@ -101,6 +116,11 @@ class CachePool:
         self._slots: list[_Slot] = []
         self._condition = threading.Condition()
         self._given: dict[int, Lease] = {}  # id(cache) -> its lease, for caches passed in that the pool does not hold
+        # kind -> the largest capacities planned for it, kept when its storage is freed (a call of another kind took
+        # its place) or detached: a fixed-shape policy pads to them, and a user's compiled graphs were built for them.
+        self._planned: dict[CacheKind, dict[str, int]] = {}
+        # The cache object of the last lease each thread took (`FlexCacheGenerationMixin.flexible_cache`).
+        self._last: weakref.WeakKeyDictionary[threading.Thread, object] = weakref.WeakKeyDictionary()
 
     # --- what the pool holds ----------------------------------------------------------------------------------
     def caches(self) -> list:
@@ -116,39 +136,67 @@ class CachePool:
                 per_device[device] = per_device.get(device, 0) + nbytes
         return per_device
 
-    def capacities(self, kind: tuple) -> dict[str, int]:
-        """The largest capacities that the pool's caches of `kind` hold (empty if it holds none)."""
+    def last_cache(self):
+        """The cache object of the last lease that this thread took, or None."""
+        with self._condition:
+            return self._last.get(threading.current_thread())
+
+    def capacities(self, kind: CacheKind) -> dict[str, int]:
+        """The largest capacities planned for caches of `kind`: those its caches hold, and those of its storage freed
+        since (empty if none was ever planned, or since `release()`)."""
         with self._condition:
             return self._capacities(kind)
 
-    def _capacities(self, kind: tuple) -> dict[str, int]:
-        found: dict[str, int] = {}
+    def _capacities(self, kind: CacheKind) -> dict[str, int]:
         for slot in self._slots:
-            if slot.kind == kind:
-                for name, value in slot.cache.capacities().items():
-                    found[name] = max(found.get(name, 0), value)
-        return found
+            if slot.kind == kind and not slot.free_on_return:
+                self._remember(slot)
+        return dict(self._planned.get(kind, {}))
+
+    def _remember(self, slot: _Slot) -> None:
+        """Keep the capacities of `slot`'s storage in the plan of its kind (before it is freed or detached)."""
+        planned = self._planned.setdefault(slot.kind, {})
+        for name, value in slot.cache.capacities().items():
+            planned[name] = max(planned.get(name, 0), value)
+
+    # --- the capacity question ---------------------------------------------------------------------------------
+    def decide(
+        self,
+        need: Need,
+        config: CacheConfig,
+        *,
+        kind: CacheKind | None = None,
+        given=None,
+        padded_size: PaddedSize | None = None,
+    ) -> Reservation:
+        """The one capacity decision of a generate call (`cache.capacity.decide`): the call's `need` against what the
+        pool holds for caches of `kind` (the largest capacities planned for it), or against what `given` holds (a
+        cache passed back to continue, whose decoder length then grows geometrically), and the call's `config`.
+
+        Raises:
+            ValueError: the call exceeds a capacity with `on_overflow="error"`. Nothing is changed, the pool's
+                settings included.
+        """
+        with self._condition:
+            held = given.capacities() if given is not None else self._capacities(kind)
+        return decide(held, need, config, padded_size=padded_size, geometric=given is not None)
 
     # --- leases -------------------------------------------------------------------------------------------------
-    def lease(
-        self, *, kind: tuple, need: Mapping[str, int], config: CacheConfig, build: Callable[[dict], object]
-    ) -> Lease:
-        """Lend a cache of `kind` that holds `need`, reset, for one generate call.
+    def lease(self, *, kind: CacheKind, reservation: Reservation, need: Mapping[str, int]) -> Lease:
+        """Lend a cache of `kind`, reset and grown to `reservation` (`decide`'s answer), for one generate call.
 
         Args:
             kind: what distinguishes caches that cannot stand in for each other (encoder-decoder or not, shape
                 policy, the placement of every layer).
-            need: the capacities the call needs (`max_batch_size`, `max_cache_len`, ...).
-            config: the call's `CacheConfig` (capacities, `on_overflow`, `max_concurrent_calls`, `on_busy`).
-            build: makes a new cache of the given capacities.
+            reservation: the call's reservation; new storage is built at its capacities.
+            need: the capacities the call needs: storage that holds them already is preferred.
 
         Raises:
-            ValueError: the call exceeds a capacity with `on_overflow="error"` (nothing is changed).
             RuntimeError: every cache is leased and `on_busy="error"`, or this thread already holds one.
         """
+        config = reservation.config
         me = threading.get_ident()
         with self._condition:
-            self._check_capacity(kind, need, config)  # first: a refused call changes nothing, the bound included
             if config.max_concurrent_calls is not None:
                 self.max_concurrent_calls = config.max_concurrent_calls
             while True:
@@ -156,24 +204,26 @@ class CachePool:
                 if slot is not None:
                     break
                 if self._room_for_one_more(kind):
-                    slot = self._new_slot(kind, need, config, build)
+                    slot = self._new_slot(kind, reservation)
                     break
                 self._refuse_or_wait(me, config)
+            previous = slot.lease
             lease = self._take(slot, slot.cache, me)
         try:
-            lease.cache = self._renew(slot)
-            lease.cache.reserve(need, config=config)
+            lease.cache = self._renew(slot, previous)
+            lease.cache.reserve(reservation)
         except BaseException:
             lease.give_back()
             raise
+        self._note_last(lease)
         return lease
 
-    def lease_given(self, cache, *, need: Mapping[str, int], config: CacheConfig) -> Lease:
-        """Lend a cache that the caller passed back to `generate` (a continuation), as it is, for one call.
+    def lease_given(self, cache, *, reservation: Reservation) -> Lease:
+        """Lend a cache that the caller passed back to `generate` (a continuation), as it is, for one call, grown to
+        `reservation` (`decide`'s answer for it).
 
         Raises:
-            ValueError: the cache is stale (its storage was reused or released), or the call exceeds a capacity
-                with `on_overflow="error"`.
+            ValueError: the cache is stale (its storage was reused or released).
             RuntimeError: another generate call is using this cache right now.
         """
         cache._check_live()
@@ -188,11 +238,16 @@ class CachePool:
                 )
             lease = self._take(slot, cache, me, given_by_caller=True)
         try:
-            cache.reserve(need, config=config, geometric=True)
+            cache.reserve(reservation)
         except BaseException:
             lease.give_back()
             raise
+        self._note_last(lease)
         return lease
+
+    def _note_last(self, lease: Lease) -> None:
+        with self._condition:
+            self._last[threading.current_thread()] = lease.cache
 
     def _take(self, slot: _Slot | None, cache, me: int, *, given_by_caller: bool = False) -> Lease:
         """A new lease of `slot` (or of `cache`, given by a caller, that no slot holds) for thread `me`; a parked lease
@@ -207,15 +262,7 @@ class CachePool:
             self._given[id(cache)] = lease
         return lease
 
-    def _check_capacity(self, kind: tuple, need: Mapping[str, int], config: CacheConfig) -> None:
-        if config.on_overflow != "error":
-            return
-        # Also when nothing is held yet: a first call over a configured capacity must not allocate storage for it.
-        _, exceeded = plan_capacities(self._capacities(kind), need, config)
-        if exceeded:
-            raise ValueError(overflow_message(exceeded))
-
-    def _idle_slot(self, kind: tuple, need: Mapping[str, int], me: int) -> _Slot | None:
+    def _idle_slot(self, kind: CacheKind, need: Mapping[str, int], me: int) -> _Slot | None:
         idle = [
             slot for slot in self._slots if slot.kind == kind and (slot.lease is None or slot.lease.available_to(me))
         ]
@@ -230,7 +277,7 @@ class CachePool:
         # cache stays valid as long as possible), then the least recently leased.
         return min(idle, key=lambda slot: (not fits(slot), slot.returned, slot.lease_count))
 
-    def _room_for_one_more(self, kind: tuple) -> bool:
+    def _room_for_one_more(self, kind: CacheKind) -> bool:
         if len(self._slots) < self.max_concurrent_calls:
             return True
         # Storage of another kind (the model moved, or the call asks for another shape policy) makes room when idle.
@@ -243,6 +290,7 @@ class CachePool:
             self.owner_name,
             other.cache.nbytes,
         )
+        self._remember(other)
         self._slots.remove(other)
         other.cache.free(
             f"this cache's storage was freed: {self.owner_name} was called with another shape policy, device or "
@@ -250,11 +298,10 @@ class CachePool:
         )
         return True
 
-    def _new_slot(self, kind: tuple, need: Mapping[str, int], config: CacheConfig, build) -> _Slot:
-        # As large as the largest cache of this kind: any call that one serves, this one serves too.
-        held = self._capacities(kind)
-        capacities, _ = plan_capacities({name: held.get(name, 0) for name in need}, need, config)
-        slot = _Slot(cache=build(capacities), kind=kind)
+    def _new_slot(self, kind: CacheKind, reservation: Reservation) -> _Slot:
+        # As large as the largest cache of this kind (the reservation's capacities): any call that one serves, this
+        # one serves too.
+        slot = _Slot(cache=kind.build(reservation.capacities, on_overflow=reservation.config.on_overflow), kind=kind)
         slot.cache._owner = self
         self._slots.append(slot)
         return slot
@@ -279,12 +326,14 @@ class CachePool:
             )
         self._condition.wait()
 
-    def _renew(self, slot: _Slot):
+    def _renew(self, slot: _Slot, previous: Lease | None):
         old = slot.cache
         # Whoever still needs what the previous lease wrote (e.g. Whisper's rows kept across its fallback calls) is
         # told before the storage is reused.
-        for hook in old.__dict__.pop("_before_reuse", []):
-            hook()
+        if previous is not None and previous.parked:
+            hooks, previous._before_reuse = previous._before_reuse, []
+            for hook in hooks:
+                hook()
         slot.cache = old.renewed()
         slot.lease_count += 1
         old.mark_stale(
@@ -308,7 +357,7 @@ class CachePool:
     def _release_slot(self, slot: _Slot) -> None:
         with self._condition:
             slot.lease = None
-            if slot.free_on_return and slot in self._slots:
+            if slot.free_on_return and slot in self._slots:  # released (which forgets its capacities)
                 self._slots.remove(slot)
                 slot.cache.free(_released_reason(self.owner_name))
             self._condition.notify_all()
@@ -328,14 +377,17 @@ class CachePool:
                 return
             if slot.holder is not None and slot.holder != threading.get_ident():
                 raise RuntimeError("this cache is in use by a running generate call; detach it after the call")
+            self._remember(slot)
             self._slots.remove(slot)
             cache._owner = None
             self._condition.notify_all()
 
     def release(self) -> int:
-        """Free every idle cache now, and each leased one when its call ends; returns the bytes freed now."""
+        """Free every idle cache now, and each leased one when its call ends; returns the bytes freed now. The
+        capacities planned so far are forgotten: the next call plans from its `cache_config` and its needs."""
         freed = 0
         with self._condition:
+            self._planned.clear()
             for slot in list(self._slots):
                 if slot.holder is None:
                     self._slots.remove(slot)
@@ -355,13 +407,12 @@ def _released_reason(owner_name: str) -> str:
 
 def pool_of(model, *, create: bool = True) -> CachePool | None:
     """The `CachePool` of `model` (created on first use when `create`)."""
-    pool = model.__dict__.get(_POOL_ATTR)
+    pool = _pools.get(model)
     if pool is None and create:
         with _pool_creation:
-            pool = model.__dict__.get(_POOL_ATTR)
+            pool = _pools.get(model)
             if pool is None:
-                pool = CachePool(owner_name=type(model).__name__)
-                model.__dict__[_POOL_ATTR] = pool
+                pool = _pools[model] = CachePool(owner_name=type(model).__name__)
     return pool
 
 
@@ -385,53 +436,10 @@ def held_nbytes(model) -> dict[str, int]:
     return pool.held_nbytes() if pool is not None else {}
 
 
-# --- the lease scope of one generate call -----------------------------------------------------------------------
-@contextlib.contextmanager
-def call_scope():
-    """Open around one `generate` call: the leases taken inside are given back when it closes (parked in the
-    enclosing scope, when there is one)."""
-    stack = getattr(_frames, "stack", None)
-    if stack is None:
-        stack = _frames.stack = []
-    frame: list[Lease] = []
-    stack.append(frame)
-    try:
-        yield frame
-    finally:
-        stack.pop()
-        if stack:  # inside another generate call of this thread: it keeps the storage (see the module docstring)
-            for lease in frame:
-                lease.park()
-            stack[-1].extend(frame)
-        else:
-            for lease in reversed(frame):
-                lease.give_back()
-
-
-def hold_for_call(lease: Lease) -> None:
-    """Keep `lease` until the innermost `call_scope` closes (or give it back at once when there is none)."""
-    stack = getattr(_frames, "stack", None)
-    if stack:
-        stack[-1].append(lease)
-    else:
-        lease.give_back()
-
-
-def note_returned(output) -> None:
-    """Tell the pool of a cache found in `generate`'s output that it went back to the caller."""
-    cache = getattr(output, "cache", None) if not isinstance(output, dict) else output.get("cache")
-    if is_flexible_cache(cache) and cache._owner is not None:
-        cache._owner.mark_returned(cache)
-
-
 __all__ = [
     "CachePool",
     "Lease",
-    "Overflow",
-    "call_scope",
     "held_nbytes",
-    "hold_for_call",
-    "note_returned",
     "pool_of",
     "release",
 ]

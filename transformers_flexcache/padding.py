@@ -1,6 +1,7 @@
 """Shape policies: what a call gets around upstream's `generate` so that a compiled step sees fixed shapes.
 
-`policy_for(model, ...)` is the one place that maps `CacheConfig.shape_policy` to behaviour:
+`POLICIES[shape_policy]` is the one place that maps `CacheConfig.shape_policy` to behaviour (a call's plan picks its
+policy there, `plan.CallPlan.at_door`):
 - `"exact"` (`ExactPolicy`): nothing is added; each call runs at its own shapes.
 - `"padded"` (`PaddedPolicy`): every call is padded to the capacities, for `torch.compile` and CUDA graphs.
 - `"bucketed"` (`BucketedPolicy`): every shape is padded to the next of a few buckets (`CacheConfig.buckets_of`), so
@@ -15,9 +16,10 @@ Design decisions (padded):
   beam expansion, logits processors, the cache, masks) then sees one batch and one prompt length, and a compiled
   forward sees the same shapes on every call. The model code is not touched. (Whisper's generate calls upstream's
   once per segment and fallback: each of those calls is padded, see `FlexCacheInnerGenerateMixin`.)
-- The capacities padded to are planned before the call, from what the model's caches of that kind hold, what the
-  call's `cache_config` sets and what the call needs (`plan_capacities`): a call over a limit with
-  `on_overflow="error"` is refused before anything is padded.
+- The sizes padded to are the answer to the call's one capacity question, asked before anything is padded (the
+  call's plan, `plan.CallPlan.ask`): what the model's caches of that kind hold, what the call's `cache_config` sets
+  and what the call needs (rows, prompt, encoder and decoder positions), padded as the policy pads each shape
+  (`padded_size`). A call over a limit with `on_overflow="error"` is refused before anything is padded.
 - Padding rows repeat the call's first input (finite values, a real mask: no row is fully masked, nothing can turn
   into NaN), and a stopping criterion marks them finished from the first step, so they never keep generation going:
   `generate` stops when the real rows stop, exactly as for the unpadded call. Rows never mix in attention, so the
@@ -44,27 +46,22 @@ Design decisions (padded):
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
-import threading
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers import masking_utils
+from transformers import CompileConfig, masking_utils
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 from transformers.utils import ModelOutput
 
-from .cache import CacheConfig, is_flexible_cache, plan_capacities
-from .cache.config import overflow_message
-from .compilation import compile_settings
+from .cache import CacheConfig, is_flexible_cache
 from .log import get_logger
-from .ownership import pool_of
-from .request import cache_config_of, requested_cache_config
 
 logger = get_logger(__name__)
-_active = threading.local()  # the PaddedCalls of this thread's running generate calls, innermost last
 
 # Decoder-only inputs that have one entry per prompt token, and the value that pads them on the left.
 PER_TOKEN_INPUTS = {
@@ -74,6 +71,26 @@ PER_TOKEN_INPUTS = {
     "position_ids": 0,
     "token_type_ids": 0,
 }
+
+
+# Inductor settings that dynamo reads while tracing, so that `torch.compile(options=...)` comes too late for them.
+TRACE_TIME_OPTIONS = ("freezing",)
+
+
+@contextlib.contextmanager
+def compile_settings(compile_config: CompileConfig | None):
+    """Within this context, the inductor settings of `compile_config.options` that dynamo reads while tracing
+    (`TRACE_TIME_OPTIONS`) are in force, as the config asks; the previous values are restored afterwards.
+
+    It patches a global of inductor for the duration: compile (`compilation.warmup()`) before calls run in several threads.
+    """
+    options = getattr(compile_config, "options", None) or {}
+    patch = {name: options[name] for name in TRACE_TIME_OPTIONS if name in options}
+    if not patch:
+        yield
+        return
+    with torch._inductor.config.patch(patch):
+        yield
 
 
 class PaddingRowsStoppingCriteria(StoppingCriteria):
@@ -149,19 +166,19 @@ def pad_token_id(generation_config) -> int:
     return 0
 
 
-def lengths_as_new_tokens(resolved, given: tuple, *, prompt_len: int) -> dict:
+def lengths_as_new_tokens(resolved, sources: tuple, *, prompt_len: int) -> dict:
     """`max_length`/`min_length` that the caller set, as new-token counts after the real prompt of `prompt_len`.
 
     Upstream counts total lengths from the start of the (here left-padded) prompt, new-token counts after it. A total
-    length counts as set when the call's kwargs, its `generation_config` or the model's (the items of `given`) set it;
-    it is removed from the kwargs (`given[0]`) so that only the new-token count reaches upstream.
+    length counts as set when the call's kwargs, its `generation_config` or the model's (the items of `sources`) set
+    it; it is removed from the kwargs (`sources[0]`) so that only the new-token count reaches upstream.
     """
-    kwargs = given[0]
+    kwargs = sources[0]
     lengths = {}
     for total, new in (("max_length", "max_new_tokens"), ("min_length", "min_new_tokens")):
         set_by_caller = any(
             (source.get(total) if isinstance(source, dict) else getattr(source, total, None)) is not None
-            for source in given
+            for source in sources
         )
         if getattr(resolved, new) is None and set_by_caller:
             kwargs.pop(total, None)
@@ -271,12 +288,18 @@ class ExactPolicy:
     name = "exact"
     fixed_shapes = False  # whether a call's shapes are padded to fixed sizes (and its masks always built)
 
-    def generate(self, model, upstream_generate, args: tuple, kwargs: dict):
+    def generate(self, plan, upstream_generate, args: tuple, kwargs: dict):
         return upstream_generate(*args, **kwargs)
 
-    def prepare_model_kwargs(self, model, generation_config, model_kwargs: dict, config: CacheConfig) -> dict:
-        """Change the model kwargs of a call before its cache is leased; returns what the call needs beyond them."""
-        return {}
+    def encoder_size(self, plan):
+        """How a call's encoder length is padded when its cache is prepared (`capacity.PaddedSize`), or None: not."""
+        return None
+
+    def pad_encoder(self, plan, model_kwargs: dict) -> int | None:
+        """Pad a call's encoder outputs (and their mask) in `model_kwargs` before its cache is leased; returns the
+        encoder length the call then runs at (None: no encoder outputs)."""
+        encoder_outputs = model_kwargs.get("encoder_outputs")
+        return encoder_outputs[0].shape[1] if encoder_outputs is not None else None
 
 
 class PaddedPolicy:
@@ -306,8 +329,8 @@ class PaddedPolicy:
         Raises:
             ValueError: a capacity is not set, or `max_new_tokens` does not fit `max_cache_len`.
         """
-        length_name = "max_encoder_len" if model.config.is_encoder_decoder else "max_prompt_len"
-        names = ("max_batch_size", "max_cache_len", length_name)
+        shape_name = "max_encoder_len" if model.config.is_encoder_decoder else "max_prompt_len"
+        names = ("max_batch_size", "max_cache_len", shape_name)
         missing = [name for name in names if config.limit(name) is None]
         if missing:
             example = ", ".join(f'"{name}": ...' for name in missing)
@@ -318,7 +341,7 @@ class PaddedPolicy:
         capacities = {name: config.limit(name) for name in names}
         # A decoder-only call writes its (padded) prompt and `new - 1` generated tokens; an encoder-decoder call its
         # decoder start token and `new - 1` generated tokens (upstream's `max_length - 1`).
-        first = capacities["max_prompt_len"] if length_name == "max_prompt_len" else 1
+        first = capacities["max_prompt_len"] if shape_name == "max_prompt_len" else 1
         if first + max_new_tokens - 1 > capacities["max_cache_len"]:
             raise ValueError(
                 f"max_new_tokens={max_new_tokens} after a prompt of {first} needs max_cache_len="
@@ -335,72 +358,81 @@ class PaddedPolicy:
         )
         shapes = []
         for rows in rows_sizes:
-            for length in self.sizes(config, length_name, capacities[length_name]):
-                offset = length - 1 if length_name == "max_prompt_len" else 0
+            for length in self.sizes(config, shape_name, capacities[shape_name]):
+                offset = length - 1 if shape_name == "max_prompt_len" else 0
                 windows = {}  # decoder length bucket -> the most new tokens that stay in it
                 for new_tokens in range(1, max_new_tokens + 1):
                     windows[self.padded_size(config, "max_cache_len", offset + new_tokens, capacities)] = new_tokens
                 shapes += [CallShape(rows // expand, length, new, window) for window, new in windows.items()]
         return shapes
 
-    def generate(self, model, upstream_generate, args: tuple, kwargs: dict):
+    def generate(self, plan, upstream_generate, args: tuple, kwargs: dict):
         """`upstream_generate(*args, **kwargs)`, padded to fixed shapes and cut back."""
+        model = plan.model
         signature = inspect.signature(upstream_generate)
         arguments = signature.bind(*args, **kwargs).arguments
         var_keyword = next(p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD)
         extra = dict(arguments.pop(var_keyword, {}))
-        resolved, model_kwargs = model._prepare_generation_config(arguments.get("generation_config"), **extra)
-        config = requested_cache_config(resolved)
-        given = given_cache(extra)
+        generation_config = arguments.get("generation_config")
+        # Read before upstream resolves the config (which fills in every length): upstream's flag of that name.
+        has_default_max_length = (
+            extra.get("max_length") is None
+            and (generation_config is None or generation_config.max_length is None)
+            and model.generation_config.max_length is None
+        )
+        resolved, model_kwargs = model._prepare_generation_config(generation_config, **extra)
+        plan.generation_config = resolved
+        given = plan.given
         if given is not None and not (is_flexible_cache(given) and given.shape_policy == self.name):
             return upstream_generate(*args, **kwargs)  # another cache given: run as asked
-        if given is None and (config is None or config.shape_policy != self.name):
-            return upstream_generate(*args, **kwargs)
         main_param = next(iter(signature.parameters))  # `inputs` (GenerationMixin) or e.g. `input_features`
         call = self._pad_call(
-            model, resolved, config, arguments, extra, model_kwargs, main_param=main_param, given=given
+            plan, arguments, extra, model_kwargs, main_param=main_param, has_default_max_length=has_default_max_length
         )
         if "stopping_criteria" in signature.parameters:
             arguments["stopping_criteria"] = call.stopping_criteria(arguments.get("stopping_criteria"))
-        stack = _active.__dict__.setdefault("calls", [])
-        stack.append(call)
-        before = model.flexible_cache
-        try:
-            # Settings that upstream's compile_config cannot pass on by itself (freezing), for compiles in this call.
-            with compile_settings(resolved.compile_config):
-                output = upstream_generate(**arguments, **extra)
-        finally:
-            stack.pop()
-        cache = model.flexible_cache  # this thread's last cache of this model: the one this call filled, if any
-        if given is None and cache is not None and cache is not before:
-            cache.num_prompt_pad = call.num_prompt_pad
+        # Settings that upstream's compile_config cannot pass on by itself (freezing), for compiles in this call.
+        with compile_settings(resolved.compile_config):
+            output = upstream_generate(**arguments, **extra)
         return call.cut(output)
 
-    def _planned(self, model, config: CacheConfig, need: dict, *, given=None) -> dict:
-        """The capacities a call needing `need` runs at: what the model's caches of this kind hold (or the cache given
-        to a continuation), what `config` sets, and the need; refused here (before anything is padded) over a limit
-        with `on_overflow="error"`."""
-        held = (
-            given.capacities() if given is not None else pool_of(model).capacities(model._flexible_cache_kind(config))
-        )
-        target, exceeded = plan_capacities(held, need, config)
-        if exceeded and config.on_overflow == "error":
-            raise ValueError(overflow_message(exceeded))
-        return target
+    def _door_sizes(self, plan, *, candidates: bool):
+        """The size each shape of a call is padded to at the door (`capacity.PaddedSize`): a continuation runs at
+        the shapes its cache was filled at; candidate decoding pads only its decoder-only prompt."""
+        config, given = plan.config, plan.given
 
-    def _planned_prompt_pad(self, model, config: CacheConfig, prompt_len: int) -> int:
-        if model.config.is_encoder_decoder:
-            return 0
-        planned = self._planned(model, config, {"max_prompt_len": prompt_len})
-        return self.padded_size(config, "max_prompt_len", prompt_len, planned) - prompt_len
+        def padded_size(name: str, value: int, planned) -> int:
+            if given is not None and name == "max_batch_size":
+                return given.batch_size
+            if given is not None and name == "max_prompt_len":
+                return value + given.num_prompt_pad
+            if candidates and name != "max_prompt_len":
+                return value
+            return self.padded_size(config, name, value, planned)
+
+        return padded_size
+
+    def encoder_size(self, plan):
+        if plan.padding is not None and plan.padding.candidates:
+            return None
+        config = plan.config
+
+        def padded_size(name: str, value: int, planned) -> int:
+            return self.padded_size(config, name, value, planned) if name == "max_encoder_len" else value
+
+        return padded_size
 
     def _pad_call(
-        self, model, resolved, config, arguments: dict, extra: dict, model_kwargs: dict, *, main_param, given=None
+        self, plan, arguments: dict, extra: dict, model_kwargs: dict, *, main_param, has_default_max_length: bool
     ):
-        """Pad the batch (and decoder-only prompts) of a generate call in `arguments`/`extra`, in place; a
-        continuation of `given` to the rows and left padding that `given` holds."""
+        """Pad the batch (and decoder-only prompts) of a generate call in `arguments`/`extra`, in place, to the sizes
+        of the call's reservation (asked here, before anything is padded); a continuation of a given cache to the rows
+        and left padding that cache holds."""
+        model, resolved, given = plan.model, plan.generation_config, plan.given
         inputs = arguments.pop(main_param, None)
-        inputs_tensor, input_name, _ = model._prepare_model_inputs(inputs, resolved.bos_token_id, dict(model_kwargs))
+        inputs_tensor, input_name, prepared_kwargs = model._prepare_model_inputs(
+            inputs, resolved.bos_token_id, dict(model_kwargs)
+        )
         batch_size, prompt_len = inputs_tensor.shape[0], inputs_tensor.shape[1]
         expand = max(resolved.num_beams or 1, resolved.num_return_sequences or 1)
         # Upstream's candidate decoding (assistant, prompt lookup) runs a batch of one, and its candidates change the
@@ -409,20 +441,23 @@ class PaddedPolicy:
         candidates = (
             resolved.get_generation_mode(arguments.get("assistant_model")) == GenerationMode.ASSISTED_GENERATION
         )
+        decoder_only = not model.config.is_encoder_decoder
+        need = plan.state_need(
+            resolved,
+            inputs_tensor,
+            input_name,
+            prepared_kwargs,
+            has_default_max_length=has_default_max_length,
+            prompt_pad=given.num_prompt_pad if given is not None and decoder_only else 0,
+            padded_prompt=decoder_only and given is None,
+        )
+        reservation = plan.ask(need, padded_size=self._door_sizes(plan, candidates=candidates))
+        padded_batch_size = reservation.shapes["max_batch_size"] // expand
         if given is not None:
-            padded_batch_size, num_prompt_pad = given.batch_size // expand, given.num_prompt_pad
-        elif candidates:
-            padded_batch_size, num_prompt_pad = batch_size, self._planned_prompt_pad(model, config, prompt_len)
+            num_prompt_pad = given.num_prompt_pad if decoder_only else 0
         else:
-            need = {"max_batch_size": batch_size * expand}
-            if not model.config.is_encoder_decoder:
-                need["max_prompt_len"] = prompt_len
-            planned = self._planned(model, config, need)
-            padded_batch_size = self.padded_size(config, "max_batch_size", need["max_batch_size"], planned) // expand
-            num_prompt_pad = 0
-            if "max_prompt_len" in planned:
-                num_prompt_pad = self.padded_size(config, "max_prompt_len", prompt_len, planned) - prompt_len
-        call = PaddedCall(
+            num_prompt_pad = reservation.shapes.get("max_prompt_len", prompt_len) - prompt_len
+        call = plan.padding = PaddedCall(
             batch_size=batch_size,
             padded_batch_size=max(batch_size, padded_batch_size),
             num_prompt_pad=num_prompt_pad,
@@ -451,27 +486,23 @@ class PaddedPolicy:
             model_inputs = left_pad_prompt(
                 model_inputs, prompt_len=prompt_len, num_pad=num_prompt_pad, pad_token_id=pad_token_id(resolved)
             )
-            given = (extra, arguments.get("generation_config"), model.generation_config)
-            extra.update(lengths_as_new_tokens(resolved, given, prompt_len=prompt_len))
+            sources = (extra, arguments.get("generation_config"), model.generation_config)
+            extra.update(lengths_as_new_tokens(resolved, sources, prompt_len=prompt_len))
         extra.update(model_inputs)
         return call
 
-    def prepare_model_kwargs(self, model, generation_config, model_kwargs: dict, config: CacheConfig) -> dict:
-        """Right-pad encoder outputs and their mask to the planned `max_encoder_len` (encoder-decoder models); the
-        padded prompt length is what a decoder-only call needs beyond its kwargs (the cache holds it)."""
-        if not model.config.is_encoder_decoder:
-            calls = getattr(_active, "calls", None)
-            if not calls or calls[-1].continuation:  # a continuation keeps the prompt shape of its cache
-                return {}
-            return {"max_prompt_len": calls[-1].padded_prompt_len}
-        calls = getattr(_active, "calls", None)
-        if model_kwargs.get("encoder_outputs") is not None and not (calls and calls[-1].candidates):
-            encoder_len = model_kwargs["encoder_outputs"][0].shape[1]
-            given = given_cache(model_kwargs)
-            planned = self._planned(model, config, {"max_encoder_len": encoder_len}, given=given)
-            padded_len = self.padded_size(config, "max_encoder_len", encoder_len, planned)
-            pad_encoder_outputs(model_kwargs, padded_len, mask_key=model._flex_encoder_mask_key)
-        return {}
+    def pad_encoder(self, plan, model_kwargs: dict) -> int | None:
+        """Right-pad encoder outputs and their mask to the call's encoder length (encoder-decoder models, not for
+        candidate decoding); returns the length the call runs at."""
+        encoder_outputs = model_kwargs.get("encoder_outputs")
+        if encoder_outputs is None or not plan.model.config.is_encoder_decoder:
+            return None
+        encoder_len = encoder_outputs[0].shape[1]
+        if plan.padding is not None and plan.padding.candidates:
+            return encoder_len
+        padded_len = plan.reservation.shapes.get("max_encoder_len", encoder_len)
+        pad_encoder_outputs(model_kwargs, padded_len, mask_key=plan.model._flex_encoder_mask_key)
+        return padded_len
 
 
 class BucketedPolicy(PaddedPolicy):
@@ -494,32 +525,6 @@ class BucketedPolicy(PaddedPolicy):
 
 
 POLICIES = {policy.name: policy for policy in (ExactPolicy(), PaddedPolicy(), BucketedPolicy())}
-
-
-def given_cache(kwargs: dict):
-    """The cache a generate call was given (`cache`, or its deprecated name `past_key_values`), or None."""
-    given = kwargs.get("cache")
-    return given if given is not None else kwargs.get("past_key_values")
-
-
-def policy_for(model, args: tuple, kwargs: dict, *, config: CacheConfig | None = None):
-    """The shape policy of a call: from `config` when it is known, else that of a flexible cache given to the call (a
-    continuation), else from a cheap look at every `cache_config` in reach of the call (its kwargs, its
-    `generation_config`, the model's), which `PaddedPolicy.generate` resolves."""
-    if config is not None:
-        return POLICIES[config.shape_policy]
-    given = given_cache(kwargs)
-    if is_flexible_cache(given):
-        return POLICIES[given.shape_policy]
-    generation_config = kwargs.get("generation_config", args[1] if len(args) > 1 else None)
-    for source in (
-        kwargs.get("cache_config"),
-        cache_config_of(generation_config),
-        cache_config_of(model.generation_config),
-    ):
-        if source is not None and CacheConfig.parse(source).shape_policy != "exact":
-            return POLICIES[CacheConfig.parse(source).shape_policy]
-    return POLICIES["exact"]
 
 
 class FixedShapeMasksMixin:

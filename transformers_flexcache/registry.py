@@ -10,41 +10,23 @@ Design decisions:
   else ever patches upstream: our model classes accept the name on their own (see `generation.py`), so neither their
   construction nor their `generate` touches upstream.
 - `convert(model)` turns a loaded upstream model into its override in place (class swaps, no weight copies).
-- Two kinds of override: a module of `model_overrides/` per type in `SUPPORTED_MODEL_TYPES`, written by hand, and the
-  generated classes of `generic.py` for decoder-only models that need no module change (judged from their source).
-  `register()` maps the hand-written ones and those of `GENERIC_MODEL_TYPES` (the types the tests cover); `convert`
-  also takes any other model that the generic route accepts, and says why when it does not.
+- The override classes are listed in `catalogue.py`: a module of `model_overrides/` per type in
+  `SUPPORTED_MODEL_TYPES`, written by hand, and the generated classes of `generic.py` for decoder-only models that
+  need no module change (judged from their source). `register()` maps the hand-written ones and those of
+  `GENERIC_MODEL_TYPES` (the types the tests cover); `convert` also takes any other model that the generic route
+  accepts, and says why when it does not.
 """
 
 from __future__ import annotations
 
-import importlib
-
-import transformers
 from transformers.generation import configuration_utils as generation_configuration
 from transformers.generation.utils import GenerationMixin
-from transformers.models.auto import modeling_auto
 
 from .auto_classes import auto_mappings, maps_to
+from .catalogue import GENERIC_MODEL_TYPES, SUPPORTED_MODEL_TYPES, flex_model_classes
+from .generic import GenericFlexModelMixin, config_reasons_against, flex_class_for, reasons_against, refusal
 from .modeling import FlexModelMixin, swap_module_classes
 from .request import FLEXIBLE_STATIC
-
-# model_type -> module under model_overrides/ that defines its override classes (`FLEX_MODEL_CLASSES`).
-SUPPORTED_MODEL_TYPES = (
-    "llama",
-    "t5",
-    "bart",
-    "whisper",
-    "jamba",
-    "pix2struct",
-    "marian",
-    "m2m_100",
-    "mbart",
-    "pegasus",
-)
-# Decoder-only model types whose `AutoModelForCausalLM` class needs no module change: `generic.py` builds their
-# override classes (after reading their source), and `register()` maps them like the hand-written ones.
-GENERIC_MODEL_TYPES = ("qwen2", "qwen3", "mistral", "phi3", "gpt2", "gemma3_text")
 
 _MISSING = object()
 # What register() replaced, to restore it exactly: (mapping id, config class) -> the previous entry, and the
@@ -52,34 +34,19 @@ _MISSING = object()
 _saved: dict[tuple[int, type], object] = {}
 _saved_upstream: dict[str, object] = {}
 
-
-def flex_model_classes() -> list[type[FlexModelMixin]]:
-    """Every override model class: those of the modules in `model_overrides/`, then the generated ones of
-    `GENERIC_MODEL_TYPES`."""
-    return written_model_classes() + generic_model_classes()
-
-
-def written_model_classes() -> list[type[FlexModelMixin]]:
-    """The override model classes of the modules in `model_overrides/` (one module per `SUPPORTED_MODEL_TYPES`)."""
-    classes = []
-    for model_type in SUPPORTED_MODEL_TYPES:
-        module = importlib.import_module(f"model_overrides.{model_type}")
-        classes.extend(module.FLEX_MODEL_CLASSES)
-    return classes
-
-
-def generic_model_classes() -> list[type[FlexModelMixin]]:
-    """The generated override classes of `GENERIC_MODEL_TYPES`, one per type (its `AutoModelForCausalLM` class)."""
-    from .generic import flex_class_for
-
-    names = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    return [flex_class_for(getattr(transformers, names[model_type])) for model_type in GENERIC_MODEL_TYPES]
+__all__ = [
+    "GENERIC_MODEL_TYPES",
+    "SUPPORTED_MODEL_TYPES",
+    "convert",
+    "flex_model_classes",
+    "is_registered",
+    "register",
+    "unregister",
+]
 
 
 def _generic_refusal(upstream_class: type, config) -> str | None:
     """Why the generic route cannot serve `upstream_class` with `config`, as an error text; None when it can."""
-    from .generic import config_reasons_against, reasons_against, refusal
-
     reasons = config_reasons_against(upstream_class, config)
     if not getattr(config, "is_encoder_decoder", False):
         reasons = reasons_against(upstream_class) + reasons
@@ -181,8 +148,6 @@ def convert(model):
     """
     if isinstance(model, FlexModelMixin):
         return model
-    from .generic import GenericFlexModelMixin, flex_class_for
-
     by_upstream = {flex_class.flex_upstream_class(): flex_class for flex_class in flex_model_classes()}
     flex_class = by_upstream.get(type(model))
     if flex_class is None or issubclass(flex_class, GenericFlexModelMixin):

@@ -4,11 +4,17 @@ A call asks with `cache_implementation="flexible_static"` (in its kwargs or its 
 `cache_config`. A saved generation config holds the request as a custom entry, `flexible_static={...}` (its value
 is the `cache_config`), which upstream neither validates nor reads: a folder saved that way loads in plain
 transformers, which then uses its default cache.
+
+`resolve_request` is the one place that answers "does this call ask for the flexible cache, and with which
+`cache_config`", with upstream's precedence: the call's kwargs, then its `generation_config`, then the model's. It
+parses the `cache_config` once; the call's plan (`plan.CallPlan`) keeps the result.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from .cache import CacheConfig
 
@@ -19,11 +25,38 @@ SAVED_REQUEST_KEY = "flexible_static"
 STAND_IN = "static"
 
 
-def requested_cache_config(generation_config) -> CacheConfig | None:
-    """The `CacheConfig` if a resolved generation config asks for `flexible_static`, else None."""
-    if getattr(generation_config, "cache_implementation", None) != FLEXIBLE_STATIC:
-        return None
-    return CacheConfig.parse(generation_config.cache_config)
+@dataclass(frozen=True)
+class Request:
+    """What a generate call asks of this package.
+
+    Attributes:
+        flexible (`bool | None`): True: it asks for `flexible_static`; False: it names another cache; None: nothing.
+        cache_config (`CacheConfig | None`): its `cache_config`, parsed, when it asks for `flexible_static`.
+    """
+
+    flexible: bool | None = None
+    cache_config: CacheConfig | None = None
+
+
+def resolve_request(model, generation_config, kwargs: Mapping) -> Request:
+    """What a call of `model.generate(generation_config=generation_config, **kwargs)` asks for: the first of its
+    kwargs (`cache_implementation`, `cache_config`), its `generation_config` and the model's own generation config that
+    says anything, as upstream's precedence goes.
+
+    Raises:
+        TypeError, ValueError: the `cache_config` of a call that asks for `flexible_static` is not a dict, or has an
+            unknown key or value.
+    """
+    named = kwargs.get("cache_implementation")
+    flexible = (named == FLEXIBLE_STATIC) if named is not None else None
+    for source in (generation_config, model.generation_config):
+        flexible = asks_for_flexible(source) if flexible is None else flexible
+    if not flexible:
+        return Request(flexible=flexible)
+    cache_config = kwargs.get("cache_config")
+    for source in (generation_config, model.generation_config):
+        cache_config = cache_config_of(source) if cache_config is None else cache_config
+    return Request(flexible=True, cache_config=CacheConfig.parse(cache_config))
 
 
 def normalize_saved_form(config) -> None:

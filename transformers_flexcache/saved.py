@@ -6,8 +6,12 @@ A folder saved today must load after any later refactor of the package, so it na
 
 from __future__ import annotations
 
-# The format of `modeling_flexcache.py` that this package writes; older formats it still reads.
-FORMAT_VERSION = 1
+from . import __version__
+from .auto_classes import FORMAT_VERSION
+from .catalogue import flex_model_classes
+from .generic import flex_class_for, upstream_class_named
+
+# The formats of `modeling_flexcache.py` that this package reads (it writes `auto_classes.FORMAT_VERSION`).
 READABLE_FORMAT_VERSIONS = (1,)
 
 
@@ -18,9 +22,6 @@ def override_class(name: str, *, format_version: int = FORMAT_VERSION) -> type:
         ValueError: the format is newer than this package reads, or no override class has that name (a folder
             saved by a newer transformers-flexcache: upgrade the package).
     """
-    from . import __version__
-    from .registry import flex_model_classes
-
     if format_version not in READABLE_FORMAT_VERSIONS:
         raise ValueError(
             f"this folder was saved in transformers-flexcache's format {format_version}, and the installed version "
@@ -29,8 +30,6 @@ def override_class(name: str, *, format_version: int = FORMAT_VERSION) -> type:
     by_name = {flex_class.__name__: flex_class for flex_class in flex_model_classes()}
     if name not in by_name:
         # A class of the generic route (generic.py) for an upstream class that no listed type names.
-        from .generic import flex_class_for, upstream_class_named
-
         upstream_class = upstream_class_named(name)
         if upstream_class is not None:
             return flex_class_for(upstream_class)

@@ -16,7 +16,7 @@ import torch
 from torch._dynamo.testing import CompileCounter
 from transformers import CompileConfig
 
-from tests.helpers import _own_copy
+from tests.helpers import own_copy
 from tests.model_cases import MODEL_CASES, WHISPER_MAX_SOURCE_POSITIONS
 from transformers_flexcache.serving import (
     Engine,
@@ -67,7 +67,7 @@ def request_stream(case, *, num_requests: int = 6) -> list[tuple[dict, dict, int
 
 def reference(upstream, inputs: dict, kwargs: dict, seed: int):
     torch.manual_seed(seed)
-    return upstream.generate(**_own_copy(inputs), **kwargs)
+    return upstream.generate(**own_copy(inputs), **kwargs)
 
 
 def assert_same_output(expected, actual) -> None:
@@ -94,7 +94,7 @@ def test_every_request_equals_generate_alone_when_submitted_from_several_threads
         def submit(indices):
             for index in indices:
                 inputs, kwargs, seed = stream[index]
-                handles[index] = engine.submit(**_own_copy(inputs), seed=seed, **kwargs)
+                handles[index] = engine.submit(**own_copy(inputs), seed=seed, **kwargs)
                 time.sleep(0.01)  # later requests join a running batch
 
         threads = [threading.Thread(target=submit, args=(range(start, len(stream), 2),)) for start in (0, 1)]
@@ -448,7 +448,7 @@ def test_a_compiled_stream_compiles_nothing_after_warmup(name):
         with Engine(flex, cache_config=config, compile_config=counting_compile_config(counter)) as engine:
             shapes = engine.warmup()
             warm = counter.frame_count
-            handles = [engine.submit(**_own_copy(inputs), seed=seed, **kwargs) for inputs, kwargs, seed in stream]
+            handles = [engine.submit(**own_copy(inputs), seed=seed, **kwargs) for inputs, kwargs, seed in stream]
             outputs = [handle.result(timeout=TIMEOUT) for handle in handles]
     finally:
         torch._dynamo.reset()

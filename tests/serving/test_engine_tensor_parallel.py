@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from tests.helpers import _own_copy
+from tests.helpers import own_copy
 from tests.model_cases import LLAMA
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -34,7 +34,7 @@ def test_engine_on_two_tensor_parallel_ranks_serves_every_request_as_generate_al
         inputs = LLAMA.make_inputs(1, 3 + 2 * index, generator)
         kwargs = {"max_new_tokens": 5 + index, **method}
         torch.manual_seed(500 + index)
-        expected.append(upstream.generate(**_own_copy(inputs), **kwargs).tolist())
+        expected.append(upstream.generate(**own_copy(inputs), **kwargs).tolist())
         requests.append({"inputs": {k: v.tolist() for k, v in inputs.items()}, "kwargs": kwargs, "seed": 500 + index})
     job = {"folder": str(folder), "cache_config": CACHE_CONFIG, "requests": requests}
     (tmp_path / "job.json").write_text(json.dumps(job))

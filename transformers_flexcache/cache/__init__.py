@@ -3,26 +3,32 @@
 Layout (one job per file):
 - `config.py`: `CacheConfig`, the settings of `cache_implementation="flexible_static"`, parsed and checked once; the
   overflow message.
-- `layers.py`: attention storage of one layer, exact and padded (`LayerSpec`: what a layer holds, and where).
-- `sliding.py`: sliding-window attention storage of one layer (the last positions of each row), exact and padded.
-- `linear_attention.py`: Mamba conv/recurrent storage of one layer, and its shapes.
+- `capacity.py`: a call's `Need`, and `decide`: the one capacity decision of a call (a `Reservation`).
+- `layers.py`: attention storage of one layer, exact, padded and bucketed (`LayerSpec`: what a layer holds, and
+  where).
+- `sliding.py`: sliding-window attention storage of one layer (the last positions of each row), exact, padded and
+  bucketed.
+- `linear_attention.py`: Mamba conv/recurrent storage of one layer, its shapes, and the cache's state accessors.
 - `specs.py`: a decoder's layer specs from its config; `placement.py`: refined from the loaded model (devices,
   tensor-parallel heads, dtypes).
-- `containers.py`: the self-attention, cross-attention and encoder-decoder caches, which alone decide capacity and
-  growth.
+- `lifecycle.py`: what every flexible cache does with its storage (reserve, renew, stale, free, detach, bytes).
+- `layer_cache.py`: a cache of layers (live batch and length, growth, `get_kv`/`update`), shared by the two below.
+- `containers.py`: the self-attention, cross-attention and encoder-decoder caches.
+- `kind.py`: `CacheKind`, what tells caches apart in a pool, and `build()`.
 - `seats.py`: the serving engine's seat caches, each row ("seat") with a length of its own.
 - `buffer_views.py`: caches over an export wrapper's buffers, built for one call of an exported program (used by
   `transformers_flexcache.export` only).
 """
 
+from .capacity import Need, Reservation, decide, plan_capacities
 from .config import CacheConfig, Overflow, overflow_message
 from .containers import (
     FlexibleCrossAttentionCache,
     FlexibleEncoderDecoderCache,
     FlexibleStaticCache,
     is_flexible_cache,
-    plan_capacities,
 )
+from .kind import CacheKind
 from .layers import FlexiblePaddedLayer, FlexibleStaticLayer, LayerSpec
 from .linear_attention import FlexibleLinearAttentionLayer, FlexiblePaddedLinearAttentionLayer
 from .placement import layer_specs_for_model
@@ -32,6 +38,7 @@ from .specs import layer_specs_from_config
 
 __all__ = [
     "CacheConfig",
+    "CacheKind",
     "FlexibleCrossAttentionCache",
     "FlexibleEncoderDecoderCache",
     "FlexibleLinearAttentionLayer",
@@ -44,7 +51,10 @@ __all__ = [
     "FlexibleStaticCache",
     "FlexibleStaticLayer",
     "LayerSpec",
+    "Need",
     "Overflow",
+    "Reservation",
+    "decide",
     "has_cross_attention_kv",
     "is_flexible_cache",
     "layer_specs_for_model",

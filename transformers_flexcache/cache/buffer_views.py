@@ -145,13 +145,17 @@ class PositionedLayer(BufferViewLayer):
         return self.max_cache_len, 0
 
 
-class BufferViewCache(FlexibleStaticCache):
-    """A `FlexibleStaticCache` of `BufferViewLayer`s: nothing is allocated, nothing grows."""
+class _OverBuffers:
+    """What a cache over buffers sets instead of allocating: its layers, and that nothing grows."""
 
     def __init__(self, *, layers: list[BufferViewLayer]):
         Cache.__init__(self, layers=layers)
         self.on_overflow = "error"  # the runners check capacities before a program runs; nothing can grow inside
         self.num_allocations = 0
+
+
+class BufferViewCache(_OverBuffers, FlexibleStaticCache):
+    """A `FlexibleStaticCache` of `BufferViewLayer`s: nothing is allocated, nothing grows."""
 
 
 class PositionedCache(BufferViewCache):
@@ -162,7 +166,7 @@ class PositionedCache(BufferViewCache):
         return self.layers[layer_idx].update(key_states, value_states)
 
 
-class BufferViewCrossAttentionCache(BufferViewCache, FlexibleCrossAttentionCache):
+class BufferViewCrossAttentionCache(_OverBuffers, FlexibleCrossAttentionCache):
     """The cross-attention cache of a call: the packed `[B, H, L_enc, D]` keys/values of the sequence."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):

@@ -1,96 +1,61 @@
-"""The flexible caches: self-attention, cross-attention and encoder-decoder. They alone decide capacity and growth.
+"""The flexible caches: self-attention, cross-attention, and the encoder-decoder cache made of the two.
 
-Shape legend: `B` live batch, `B_max` `max_batch_size`, `H` kv heads, `S` new tokens, `L` live length, `L_max`
-`max_cache_len` (self-attention) or `max_encoder_len` (cross-attention), `D` head dim.
+Shape legend: `B` live batch, `B_max` `max_batch_size`, `H` kv heads, `S` new tokens, `L` live length, `L_max` the
+length of a layer's storage (`max_cache_len` for self-attention, `max_encoder_len` for cross-attention), `D` head dim.
 
 Design decisions:
 - Storage is allocated once, when the cache is built, from one `LayerSpec` per layer (kv heads, head dims, device
   and dtype: read from the config, or from the loaded model by `placement.py`). Nothing is allocated again unless a
   call exceeds a capacity and the cache is allowed to grow.
-- Capacity is decided here and nowhere else. `reserve(need, config=...)` is how a caller (generate) states what a
-  call needs: it raises before anything changes (`on_overflow="error"`: a capacity given in the config is a limit
-  even when the storage is larger), or grows once to what the call needs (`"grow"`, with a warning naming the
-  capacity to preset). A continuation (`reserve(..., geometric=True)`: generate given a returned cache) and growth
-  inside `update` (a cache used without `reserve`) are geometric: the length at least doubles, so a conversation
-  continued turn by turn, or token by token, reallocates a logarithmic number of times. Storage never shrinks.
-- A cache object can be superseded: `renewed()` returns a new cache object over the same storage (a pool hands one to
-  each generate call) and the old object is marked stale with the reason. Any later use of a stale object raises a
-  `ValueError` that says what overwrote its storage and how to keep a cache (`detach()`), instead of reading someone
-  else's keys.
+- A layer's storage has rows and a length, whatever it holds; the container names them: `FlexibleStaticCache` holds
+  `max_batch_size` rows of `max_cache_len` decoder positions, `FlexibleCrossAttentionCache` rows of `max_encoder_len`
+  encoder positions (`LENGTH_CAPACITY`), in its constructor, its capacities and its errors. (The layers keep
+  upstream's name for their storage length, `max_cache_len`, which upstream's cross-attention `StaticLayer`s use for
+  encoder positions too.)
+- What a call may hold is decided once, by `capacity.decide` (asked by the model's pool), and applied by
+  `reserve(reservation)`; storage never shrinks. Growth inside `update` (a cache used by hand, or a call that writes
+  past its reservation with `on_overflow="grow"`) is geometric: a row count or a length at least doubles, so that a
+  cache continued token by token reallocates a logarithmic number of times.
+- The storage lifecycle (bytes, reservation, renewal, staleness, release) is `FlexibleStorage`'s, defined once over
+  the parts of a cache: `FlexibleEncoderDecoderCache` loops over its two halves (`lifecycle.py`).
 - Models reach the tensors only through `get_kv(layer_idx, batch_size, length)`, `update(...)`, the linear-attention
-  state accessors and `cross_attention_kv`.
+  state accessors (`LinearAttentionStates`) and `cross_attention_kv`.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 
 import torch
-from transformers.cache_utils import Cache, EncoderDecoderCache
+from transformers.cache_utils import EncoderDecoderCache
 from transformers.configuration_utils import PreTrainedConfig
 
-from ..log import get_logger
-from .config import (
-    ON_OVERFLOW_CHOICES,
-    SHAPE_POLICIES,
-    CacheConfig,
-    Overflow,
-    check_choice,
-    check_positive_int,
-    overflow_message,
-)
+from .capacity import Reservation
+from .config import ON_OVERFLOW_CHOICES, check_choice, check_positive_int
+from .layer_cache import FlexibleLayerCache, nbytes_per_device_of
 from .layers import ATTENTION_LAYER_CLASSES, FlexibleStaticLayer, LayerSpec
-from .linear_attention import LINEAR_ATTENTION_LAYER_CLASSES, FlexibleLinearAttentionLayer
+from .lifecycle import FlexibleStorage
+from .linear_attention import LINEAR_ATTENTION_LAYER_CLASSES, LinearAttentionStates
 from .placement import layer_specs_for_model
 from .sliding import SLIDING_LAYER_CLASSES
 from .specs import layer_specs_from_config
 
-logger = get_logger(__name__)
+
+def _sum_per_device(*parts: Mapping[str, int]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for part in parts:
+        for device, nbytes in part.items():
+            total[device] = total.get(device, 0) + nbytes
+    return total
 
 
-def plan_capacities(
-    held: Mapping[str, int], need: Mapping[str, int], config: CacheConfig
-) -> tuple[dict[str, int], list[Overflow]]:
-    """The capacities to hold for a call that needs `need`, and the capacities that it exceeds.
-
-    The target is grow-only: at least what is held (a capacity missing from `held`, or 0, is not set yet: the call
-    sets it), what `config` sets and what the call needs. A call exceeds a
-    capacity when it needs more than the configured value (`on_overflow="error"`: the configured value is a limit even
-    when more is held), or more than is held when none is configured; with `on_overflow="grow"`, only needs beyond
-    both what is held and what is configured count (those are what the warning names).
-    """
-    target, exceeded = {}, []
-    for name, value in need.items():
-        current, configured = held.get(name, 0), config.limit(name)
-        if current == 0 and configured is None:
-            limit = value  # nothing held or configured yet: the first call sets it
-        elif config.on_overflow == "error":
-            limit = configured if configured is not None else current
-        else:
-            limit = max(current, configured or 0)
-        if value > limit:
-            exceeded.append(Overflow(name, value, limit))
-        target[name] = max(current, configured or 0, value)
-    return target, exceeded
-
-
-def with_headroom(target: Mapping[str, int], held: Mapping[str, int], name: str, config: CacheConfig) -> dict:
-    """`target` with capacity `name` at least twice what is `held`, when it grows at all and `config` lets it grow
-    (`on_overflow="grow"`): geometric growth, a logarithmic number of reallocations for a length that keeps growing."""
-    target = dict(target)
-    if config.on_overflow == "grow" and target.get(name, 0) > held.get(name, 0) > 0:
-        target[name] = max(target[name], 2 * held[name])
-    return target
-
-
-class FlexibleStaticCache(Cache):
+class FlexibleStaticCache(LinearAttentionStates, FlexibleLayerCache):
     """A static self-attention cache allocated once at `max_batch_size x max_cache_len`, serving any smaller shape.
 
     Hybrid models (Jamba) also get their linear-attention (Mamba) conv and recurrent states, allocated once at
     `max_batch_size` rows and read and written through `get_conv_state`, `update_conv_state`, `get_recurrent_state`
-    and `update_recurrent_state`. Sliding-window layers (Mistral, Gemma2/3, Qwen2 with `use_sliding_window`) hold
-    `min(sliding_window, max_cache_len)` positions per row (see `sliding.py`).
+    and `update_recurrent_state` (`LinearAttentionStates`). Sliding-window layers (Mistral, Gemma2/3, Qwen2 with
+    `use_sliding_window`) hold `min(sliding_window, max_cache_len)` positions per row (see `sliding.py`).
 
     Args:
         config (`PreTrainedConfig`, *optional*): the model's config; the decoder's layer types, kv heads and head dim
@@ -103,7 +68,8 @@ class FlexibleStaticCache(Cache):
             (with a warning naming the capacity to preset), `"error"` raises `ValueError` before writing.
         shape_policy (`str`, *optional*, defaults to `"exact"`): `"exact"` returns views of the live batch and length
             (eager, `torch.export` with dynamic shapes); `"padded"` returns all `max_cache_len` positions and leaves the
-            rest to the attention mask, so that shapes stay fixed for `torch.compile` (see `FlexiblePaddedLayer`).
+            rest to the attention mask, so that shapes stay fixed for `torch.compile` (see `FlexiblePaddedLayer`);
+            `"bucketed"` returns the positions of the call's length bucket (see `FlexibleBucketedLayer`).
         layer_specs (`list[LayerSpec]`, *optional*): one spec per decoder layer, overriding what `config`, `dtype`
             and `device` say: `FlexibleStaticCache.for_model` places each layer where the model runs it.
 
@@ -121,15 +87,11 @@ class FlexibleStaticCache(Cache):
     ```
     """
 
-    length_name = "max_cache_len"
-    # Defaults for objects built without __init__ (the export's views over buffers), overridden per object.
-    _stale: str | None = None  # why this object may no longer be used (see `renewed`), or None
-    _call_limits: dict[str, int] = {}  # the limits `reserve` set for the running call (on_overflow="error")
-    _owner = None  # the pool that holds this cache (see `ownership.py`), or None
-    # A shape, not storage: with the padded policy, decoder-only prompts are left-padded to it. 0: not set yet.
+    LENGTH_CAPACITY = "max_cache_len"
+    # A shape, not storage: with a fixed-shape policy, decoder-only prompts are left-padded to it. 0: not set yet.
     max_prompt_len = 0
-    # Padded policy: the masked columns before the real prompt of the call that filled this cache. A continuation
-    # from it is left-padded by as many, so that its positions line up with what the cache holds.
+    # Fixed-shape policies: the masked columns before the real prompt of the call that filled this cache (what its
+    # rows hold). A continuation from it is left-padded by as many, so that its positions line up with them.
     num_prompt_pad = 0
 
     def __init__(
@@ -144,21 +106,17 @@ class FlexibleStaticCache(Cache):
         shape_policy: str = "exact",
         layer_specs: list[LayerSpec] | None = None,
     ):
-        check_positive_int("max_batch_size", max_batch_size)
-        check_positive_int(self.length_name, max_cache_len)
-        self.on_overflow = check_choice("on_overflow", on_overflow, ON_OVERFLOW_CHOICES)
-        self.shape_policy = check_choice("shape_policy", shape_policy, SHAPE_POLICIES)
         if layer_specs is None:
             if config is None:
                 raise TypeError(f"{type(self).__name__} needs config= (or layer_specs=) to know its layers")
             layer_specs = layer_specs_from_config(config, dtype=dtype, device=device)
-        self.layer_specs = list(layer_specs)
-        layers = [
-            self._layer_class(spec)(spec=spec, max_batch_size=max_batch_size, max_cache_len=max_cache_len)
-            for spec in self.layer_specs
-        ]
-        super().__init__(layers=layers)
-        self.num_allocations = 1
+        self._build(
+            layer_specs=layer_specs,
+            max_batch_size=max_batch_size,
+            length=max_cache_len,
+            on_overflow=on_overflow,
+            shape_policy=shape_policy,
+        )
 
     @classmethod
     def for_model(cls, model, *, max_batch_size: int, max_cache_len: int, **kwargs) -> FlexibleStaticCache:
@@ -214,447 +172,73 @@ class FlexibleStaticCache(Cache):
     ) -> dict[str, int]:
         """Bytes that a cache of these capacities allocates on each device (`"cpu"`, `"cuda:0"`, ...)."""
         specs = layer_specs if layer_specs is not None else layer_specs_from_config(config, dtype=dtype)
-        per_device: dict[str, int] = {}
-        for spec in specs:
-            key = str(spec.device)
-            per_device[key] = per_device.get(key, 0) + spec.nbytes(
-                max_batch_size=max_batch_size, max_cache_len=max_cache_len
-            )
-        return per_device
-
-    # --- capacities -------------------------------------------------------------------------------------------
-    @property
-    def max_batch_size(self) -> int:
-        return self.layers[0].max_batch_size
+        return nbytes_per_device_of(specs, max_batch_size=max_batch_size, length=max_cache_len)
 
     @property
     def max_cache_len(self) -> int:
-        # The first attention layer: linear-attention layers have no length axis.
-        return next(layer.max_cache_len for layer in self.layers if isinstance(layer, FlexibleStaticLayer))
+        return self._length()
 
-    def capacities(self) -> dict[str, int]:
-        """What the cache holds, by capacity name (`max_prompt_len` 0: not set)."""
-        return {
-            "max_batch_size": self.max_batch_size,
-            self.length_name: self.max_cache_len,
-            "max_prompt_len": self.max_prompt_len,
-        }
+    def _own_capacities(self) -> dict[str, int]:
+        return {**super()._own_capacities(), "max_prompt_len": self.max_prompt_len}
 
-    @property
-    def nbytes(self) -> int:
-        return sum(self.nbytes_per_device().values())
-
-    def nbytes_per_device(self) -> dict[str, int]:
-        """Bytes held on each device."""
-        per_device: dict[str, int] = {}
-        for layer in self.layers:
-            for tensor in layer.storages():
-                key = str(tensor.device)
-                per_device[key] = per_device.get(key, 0) + tensor.untyped_storage().nbytes()
-        return per_device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.layers[0].dtype
-
-    @property
-    def device(self) -> torch.device:
-        """The device of the first layer's storage (see `layer_specs` for each layer's)."""
-        return self.layers[0].device
-
-    def data_ptrs(self) -> list[int]:
-        """Data pointers of every storage tensor: equal across calls exactly when no reallocation happened."""
-        return [tensor.data_ptr() for layer in self.layers for tensor in layer.storages()]
-
-    def reserve(self, need: Mapping[str, int], *, config: CacheConfig | None = None, geometric: bool = False) -> None:
-        """Make room for a call that needs `need` (`max_batch_size`, `max_cache_len`: rows and positions it writes).
-
-        With `config.on_overflow="error"` (or the cache's own `on_overflow` when no config is given), a need over a
-        limit raises before anything changes; the limits also hold for the `update`s of the call. Otherwise the storage
-        grows once to what the call needs (and to any larger capacity `config` sets), keeping its live content.
-
-        Args:
-            geometric (`bool`, *optional*, defaults to `False`): a length that must grow grows to at least twice what
-                is held. For a continuation: each turn needs a little more than the last, and growing to exactly that
-                would reallocate at every turn.
-
-        Raises:
-            ValueError: with `on_overflow="error"`, naming each value, its limit and the `cache_config` that fits.
-        """
-        self._check_live()
-        config = config if config is not None else CacheConfig(on_overflow=self.on_overflow)
-        held = self.capacities()
-        target, exceeded = plan_capacities(held, need, config)
-        if exceeded and config.on_overflow == "error":
-            raise ValueError(overflow_message(exceeded))
-        if geometric:
-            target = with_headroom(target, held, self.length_name, config)
-        if exceeded:
-            logger.warning("%s grows (one reallocation): %s", type(self).__name__, overflow_message(exceeded))
-        self._apply_reservation(target, config, need=need)
-
-    def _apply_reservation(self, target: Mapping[str, int], config: CacheConfig, *, need: Mapping[str, int]) -> None:
-        """Grow to `target` (the capacities of this cache named in it), and keep `config`'s limits for the call; tell
-        each attention layer the positions the call needs (the bucketed layer sizes its attention span from them)."""
-        names = [name for name in self.capacities() if name in target]
-        self.on_overflow = config.on_overflow
-        limits = {name: config.limit(name) or target[name] for name in names}
-        self._call_limits = limits if config.on_overflow == "error" else {}
-        self._grow_to(target)
-        if self.length_name in need:
+    def _apply(self, reservation: Reservation) -> None:
+        """As `FlexibleLayerCache._apply`, and tell each attention layer the decoder positions the call needs (the
+        bucketed layer sizes its attention span from them)."""
+        self.max_prompt_len = max(self.max_prompt_len, reservation.required.get("max_prompt_len", 0))
+        super()._apply(reservation)
+        if "max_cache_len" in reservation.need:
             for layer in self.layers:
                 if isinstance(layer, FlexibleStaticLayer):
-                    layer.plan_call(cache_len=need[self.length_name], config=config)
-
-    def _grow_to(self, target: Mapping[str, int]) -> None:
-        self.max_prompt_len = max(self.max_prompt_len, target.get("max_prompt_len", 0))
-        batch = max(self.max_batch_size, target.get("max_batch_size", 0))
-        length = max(self.max_cache_len, target.get(self.length_name, 0))
-        if (batch, length) == (self.max_batch_size, self.max_cache_len):
-            return
-        before = self.data_ptrs()
-        for layer in self.layers:
-            layer.grow(max_batch_size=batch, max_cache_len=length)
-        if self.data_ptrs() != before:  # sliding-window layers past their window grow without reallocating
-            self.num_allocations += 1
+                    layer.plan_call(cache_len=reservation.need["max_cache_len"], config=reservation.config)
 
     def grow(self, *, max_batch_size: int | None = None, max_cache_len: int | None = None) -> None:
         """Reallocate to at least these capacities, keeping live content. A no-op when the cache is big enough."""
-        self._grow_to({"max_batch_size": max_batch_size or 0, self.length_name: max_cache_len or 0})
-
-    def ensure_capacity(self, *, batch_size: int, length: int) -> None:
-        """Make room for `batch_size` rows reaching `length` positions inside a forward, per `on_overflow`.
-
-        Growth here is geometric (a row count or length at least doubles), so that a cache continued token by token
-        without `reserve` reallocates a logarithmic number of times.
-
-        Raises:
-            ValueError: with `on_overflow="error"`, naming each value, its limit and the `cache_config` that fits.
-                Nothing has been changed when it is raised.
-        """
-        limits = {**self.capacities(), **self._call_limits}
-        need = {"max_batch_size": batch_size, self.length_name: length}
-        exceeded = [Overflow(name, value, limits[name]) for name, value in need.items() if value > limits[name]]
-        if not exceeded:
-            return
-        message = overflow_message(exceeded)
-        if self.on_overflow == "error":
-            raise ValueError(message)
-        held = self.capacities()
-        target = {
-            name: max(value, 2 * held[name]) if value > held[name] else held[name] for name, value in need.items()
-        }
-        logger.warning(
-            "%s grows (one reallocation, to %s): %s", type(self).__name__, _format_capacities(target), message
-        )
-        self._grow_to(target)
-
-    # --- ownership ----------------------------------------------------------------------------------------------
-    def renewed(self) -> FlexibleStaticCache:
-        """A new, reset cache object over the same storage; this one is left for `mark_stale`.
-
-        A pool gives each generate call a renewed object, so that a cache returned by an earlier call is a different
-        object, which can be told that its storage was reused.
-        """
-        cache = copy.copy(self)
-        cache.layers = [layer.renewed() for layer in self.layers]
-        cache._stale = None
-        cache._call_limits = {}
-        cache.reset()
-        return cache
-
-    def mark_stale(self, reason: str) -> None:
-        """From now on, any use of this object raises `ValueError(reason)`.
-
-        The object also lets go of its layers: storage that a later growth or `release` drops is then freed even while
-        a caller still holds this object.
-        """
-        self._stale = reason
-        self.layers = []
-
-    @property
-    def is_stale(self) -> bool:
-        return self._stale is not None
-
-    def _check_live(self) -> None:
-        # Not while dynamo traces: a compiled step would guard on it. Stale caches are refused before (generate).
-        if self._stale is not None and not torch.compiler.is_compiling():
-            raise ValueError(self._stale)
-
-    def free(self, reason: str) -> int:
-        """Give the storage back now (every object over it, this one included, becomes stale); returns the bytes."""
-        freed = self.nbytes
-        for layer in self.layers:
-            for tensor in layer.storages():
-                tensor.untyped_storage().resize_(0)
-        self.mark_stale(reason)
-        return freed
-
-    def detach(self) -> FlexibleStaticCache:
-        """Take this cache out of the pool of the model that returned it, so that no later `generate` call reuses its
-        storage: it is yours to continue from, for as long as you hold it. Returns the cache."""
-        self._check_live()
-        if self._owner is not None:
-            self._owner.detach(self)
-        return self
-
-    # --- the public accessor ------------------------------------------------------------------------------------
-    def get_kv(self, layer_idx: int, batch_size: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of layer `layer_idx` for the first `batch_size` rows and `length` positions.
-
-        Args:
-            layer_idx (`int`): decoder layer.
-            batch_size (`int`): rows to return, at most `max_batch_size`.
-            length (`int`): positions to return, at most the capacity.
-
-        Returns:
-            `tuple[torch.Tensor, torch.Tensor]`: views `[batch_size, kv_heads, length, head_dim]` into the storage
-            (no copy): writes through them land in the cache.
-
-        Raises:
-            ValueError: `layer_idx`, `batch_size` or `length` is out of range, `layer_idx` is a linear-attention
-                layer, or this cache object is stale.
-        """
-        self._check_live()
-        layer = self._checked_layer(layer_idx, FlexibleStaticLayer)
-        if not 0 <= batch_size <= layer.max_batch_size:
-            raise ValueError(f"batch_size={batch_size} must be between 0 and max_batch_size={layer.max_batch_size}")
-        if not 0 <= length <= layer.max_cache_len:
-            raise ValueError(f"length={length} must be between 0 and {self.length_name}={layer.max_cache_len}")
-        return layer.get_kv(batch_size, length)
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Write `key_states`/`value_states` after the live length of layer `layer_idx`; return what to attend to.
-
-        Args:
-            key_states (`torch.Tensor`): `[B, H, S, D]` new keys.
-            value_states (`torch.Tensor`): `[B, H, S, D]` new values.
-            layer_idx (`int`): decoder layer.
-
-        Returns:
-            `tuple[torch.Tensor, torch.Tensor]`: views `[B, H, L + S, D]` of everything this call wrote; with
-            `shape_policy="padded"`, `[B, H, L_max, D]` (all positions; the mask hides those not written).
-
-        Raises:
-            ValueError: the heads, head dim, device or dtype differ from the storage's; the batch differs from the one
-                already written since the last `reset()`; the call exceeds a capacity with `on_overflow="error"`
-                (with `shape_policy="padded"` only the batch is checked here, see `FlexiblePaddedLayer`); or this
-                cache object is stale. Nothing is written.
-        """
-        self._check_live()
-        layer = self._checked_layer(layer_idx, FlexibleStaticLayer)
-        self._check_states(layer, layer_idx, key_states, value_states)
-        batch_size, num_new = key_states.shape[0], key_states.shape[-2]
-        if layer.is_compileable:
-            # Only static shapes are read here: a compiled decode step must not guard on a changing Python value.
-            if batch_size > layer.max_batch_size:
-                raise ValueError(
-                    f"batch_size={batch_size} exceeds max_batch_size={layer.max_batch_size}; a padded cache does not "
-                    f'grow inside a forward: pass cache_config={{"max_batch_size": {batch_size}}} or more'
-                )
-            return layer.update(key_states, value_states)
-        if layer.seq_len > 0 and batch_size != layer.batch_size:
-            raise ValueError(
-                f"batch_size={batch_size} differs from batch_size={layer.batch_size} already cached in layer "
-                f"{layer_idx}; call cache.reset() before a call with another batch"
-            )
-        self.ensure_capacity(batch_size=batch_size, length=layer.seq_len + num_new)
-        return layer.update(key_states, value_states)
-
-    def _check_states(self, layer: FlexibleStaticLayer, layer_idx: int, key_states, value_states) -> None:
-        # Shapes, devices and dtypes are static: these checks cost a compiled step nothing.
-        storage_keys, storage_values = layer._key_storage, layer._value_storage
-        expected = (layer.num_heads, storage_keys.shape[-1]), (layer.num_heads, storage_values.shape[-1])
-        got = (key_states.shape[1], key_states.shape[-1]), (value_states.shape[1], value_states.shape[-1])
-        if got != expected:
-            raise ValueError(
-                f"layer {layer_idx} got keys/values of (heads, head_dim) {got[0]}/{got[1]}, but its storage holds "
-                f"{expected[0]}/{expected[1]}; the cache was sized for other projections (a tensor-parallel shard, "
-                "or another model): build it with FlexibleStaticCache.for_model(model, ...) or through generate"
-            )
-        if key_states.device != storage_keys.device or key_states.dtype != storage_keys.dtype:
-            raise ValueError(
-                f"layer {layer_idx} got keys on {key_states.device} in {key_states.dtype}, but its storage is on "
-                f"{storage_keys.device} in {storage_keys.dtype}; build the cache with FlexibleStaticCache.for_model"
-                "(model, ...) (or through generate), which places each layer where the model runs it"
-            )
-
-    def early_initialization(self, batch_size: int, num_heads, head_dim, dtype: torch.dtype, device) -> None:
-        """Storage is allocated at construction; this only makes room for `batch_size` rows (upstream API)."""
-        self.ensure_capacity(batch_size=batch_size, length=0)
-
-    def get_seq_length(self, layer_idx: int = 0):
-        self._check_live()
-        return super().get_seq_length(layer_idx)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._check_live()
-        super().reorder_cache(beam_idx)
-
-    def crop(self, tokens_to_remove: int) -> None:
-        self._check_live()
-        super().crop(tokens_to_remove)
-
-    @property
-    def batch_size(self) -> int:
-        """The live batch: rows written by the current call (0 before the first update after a reset)."""
-        return self.layers[0].batch_size
-
-    def _checked_layer(self, layer_idx: int, layer_class: type) -> FlexibleStaticLayer | FlexibleLinearAttentionLayer:
-        """Layer `layer_idx`, checked to exist and to be of `layer_class`."""
-        if not 0 <= layer_idx < len(self.layers):
-            raise ValueError(f"layer_idx={layer_idx} is out of range for a cache of {len(self.layers)} layers")
-        layer = self.layers[layer_idx]
-        if not isinstance(layer, layer_class):
-            kinds = {FlexibleStaticLayer: "an attention", FlexibleLinearAttentionLayer: "a linear-attention"}
-            accessors = {
-                FlexibleStaticLayer: "get_kv/update",
-                FlexibleLinearAttentionLayer: "get_conv_state/get_recurrent_state and their update_ methods",
-            }
-            kind = next(k for k in kinds if isinstance(layer, k))
-            raise ValueError(
-                f"layer {layer_idx} is {kinds[kind]} layer, not {kinds[layer_class]} one; use {accessors[kind]} for it"
-            )
-        return layer
-
-    # --- linear-attention (Mamba) states ------------------------------------------------------------------------
-    def _linear_layer(self, layer_idx: int, state_idx: int) -> FlexibleLinearAttentionLayer:
-        self._check_live()
-        layer = self._checked_layer(layer_idx, FlexibleLinearAttentionLayer)
-        if state_idx != 0:
-            raise ValueError(f"state_idx={state_idx} is out of range: linear-attention layers hold one state (0)")
-        return layer
-
-    def _check_state_batch(self, layer: FlexibleLinearAttentionLayer, layer_idx: int, batch_size: int) -> None:
-        if layer.batch_size > 0 and batch_size != layer.batch_size:
-            raise ValueError(
-                f"batch_size={batch_size} differs from batch_size={layer.batch_size} already cached in layer "
-                f"{layer_idx}; call cache.reset() before a call with another batch"
-            )
-
-    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
-        """Conv state of linear-attention layer `layer_idx` for the live batch.
-
-        Args:
-            layer_idx (`int`): a linear-attention decoder layer.
-            state_idx (`int`, *optional*, defaults to 0): which state; these layers hold one.
-
-        Returns:
-            `torch.Tensor | None`: a view `[B, C, K]` into the storage (no copy), so that the model's in-place decode
-            update (`conv_state.copy_(...)`) lands in the cache; None from `reset()` until this call's first
-            `update_conv_state`, as upstream.
-
-        Raises:
-            ValueError: `layer_idx` is out of range or not a linear-attention layer, or `state_idx` is not 0.
-        """
-        return self._linear_layer(layer_idx, state_idx).get_conv_state()
-
-    def update_conv_state(
-        self,
-        conv_states: torch.Tensor,
-        layer_idx: int,
-        state_idx: int = 0,
-        conv_kernel_size: int | None = None,
-        **kwargs,
-    ) -> torch.Tensor:
-        """Write the conv state of linear-attention layer `layer_idx`: the last `K` positions of what is returned.
-
-        Args:
-            conv_states (`torch.Tensor`): `[B, C, S]` new conv inputs.
-            layer_idx (`int`): a linear-attention decoder layer.
-            state_idx (`int`, *optional*, defaults to 0): which state; these layers hold one.
-            conv_kernel_size (`int`, *optional*): the model's kernel size, checked against the storage's `K`.
-
-        Returns:
-            `torch.Tensor`: as upstream's `LinearAttentionLayer.update_conv_state`: on the first update since
-            `reset()` (the prefill) `conv_states` left-padded to at least `K` positions, `[B, C, max(S, K)]`;
-            afterwards the cached state followed by `conv_states`, `[B, C, K + S]`.
-
-        Raises:
-            ValueError: as for `get_conv_state`; `C` or `K` differs from the storage; the batch differs from the one
-                written since the last `reset()`; or `B` exceeds `max_batch_size` with `on_overflow="error"`.
-                Nothing is written in any of these cases.
-        """
-        layer = self._linear_layer(layer_idx, state_idx)
-        kernel_size = layer.conv_kernel_size[0]
-        if conv_kernel_size is not None and conv_kernel_size != kernel_size:
-            raise ValueError(
-                f"conv_kernel_size={conv_kernel_size} differs from the kernel size {kernel_size} that layer "
-                f"{layer_idx} was allocated with (the config's `mamba_d_conv`)"
-            )
-        if tuple(conv_states.shape[1:-1]) != layer.conv_shape[:-1]:
-            raise ValueError(
-                f"conv_states of shape {tuple(conv_states.shape)} do not fit layer {layer_idx}, allocated for "
-                f"[batch, {layer.conv_shape[0]}, length] from the config"
-            )
-        self._check_state_batch(layer, layer_idx, conv_states.shape[0])
-        self.ensure_capacity(batch_size=conv_states.shape[0], length=0)
-        return layer.update_conv_state(conv_states)
-
-    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
-        """Recurrent (SSM) state of linear-attention layer `layer_idx` for the live batch.
-
-        Args:
-            layer_idx (`int`): a linear-attention decoder layer.
-            state_idx (`int`, *optional*, defaults to 0): which state; these layers hold one.
-
-        Returns:
-            `torch.Tensor | None`: a view `[B, C, N]` into the storage (no copy), so that the model's in-place decode
-            update (`state.copy_(...)`) lands in the cache; None from `reset()` until this call's first
-            `update_conv_state`, as upstream.
-
-        Raises:
-            ValueError: `layer_idx` is out of range or not a linear-attention layer, or `state_idx` is not 0.
-        """
-        return self._linear_layer(layer_idx, state_idx).get_recurrent_state()
-
-    def update_recurrent_state(
-        self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs
-    ) -> torch.Tensor:
-        """Write the recurrent (SSM) state of linear-attention layer `layer_idx`.
-
-        Args:
-            recurrent_states (`torch.Tensor`): `[B, C, N]` the state after this call's tokens.
-            layer_idx (`int`): a linear-attention decoder layer.
-            state_idx (`int`, *optional*, defaults to 0): which state; these layers hold one.
-
-        Returns:
-            `torch.Tensor`: a view `[B, C, N]` into the storage, holding `recurrent_states`.
-
-        Raises:
-            ValueError: as for `get_recurrent_state`; `(C, N)` differs from the storage; the batch differs from the
-                one written since the last `reset()`; or `B` exceeds `max_batch_size` with `on_overflow="error"`.
-                Nothing is written in any of these cases.
-        """
-        layer = self._linear_layer(layer_idx, state_idx)
-        if tuple(recurrent_states.shape[1:]) != layer.recurrent_shape:
-            raise ValueError(
-                f"recurrent_states of shape {tuple(recurrent_states.shape)} do not fit layer {layer_idx}, allocated "
-                f"for [batch, {', '.join(map(str, layer.recurrent_shape))}] from the config"
-            )
-        self._check_state_batch(layer, layer_idx, recurrent_states.shape[0])
-        self.ensure_capacity(batch_size=recurrent_states.shape[0], length=0)
-        return layer.update_recurrent_state(recurrent_states)
+        self._grow_to({"max_batch_size": max_batch_size or 0, "max_cache_len": max_cache_len or 0})
 
 
-def _format_capacities(capacities: Mapping[str, int]) -> str:
-    return ", ".join(f"{name}={value}" for name, value in capacities.items())
-
-
-class FlexibleCrossAttentionCache(FlexibleStaticCache):
-    """The cross-attention half of `FlexibleEncoderDecoderCache`: its capacity is `max_encoder_len`.
+class FlexibleCrossAttentionCache(FlexibleLayerCache):
+    """The cross-attention half of `FlexibleEncoderDecoderCache`: `max_batch_size` rows of `max_encoder_len` encoder
+    positions.
 
     Its live length is the encoder length that the current call wrote. Its layers keep exact Python-int lengths in
     every shape policy: the cache is written once per call (a model can ask `get_seq_length` whether it was, without a
-    host sync), and the padded policy pads the encoder output to `max_encoder_len`, so its shapes are already fixed.
-    With a fixed-shape policy (`"padded"`, `"bucketed"`) its storage is only marked as a static address, for CUDA
-    graphs.
+    host sync), and the fixed-shape policies pad the encoder output to their encoder length, so its shapes are already
+    fixed. With a fixed-shape policy (`"padded"`, `"bucketed"`) its storage is only marked as a static address, for
+    CUDA graphs.
+
+    Args:
+        config (`PreTrainedConfig`, *optional*): the model's config (the decoder's kv heads and head dim are read from
+            it). Not needed with `layer_specs`.
+        max_batch_size (`int`): rows to allocate.
+        max_encoder_len (`int`): encoder positions to allocate per row.
+        dtype, device, on_overflow, shape_policy, layer_specs: as for `FlexibleStaticCache`.
     """
 
-    length_name = "max_encoder_len"
+    LENGTH_CAPACITY = "max_encoder_len"
 
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
+    def __init__(
+        self,
+        *,
+        config: PreTrainedConfig | None = None,
+        max_batch_size: int,
+        max_encoder_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        on_overflow: str = "grow",
+        shape_policy: str = "exact",
+        layer_specs: list[LayerSpec] | None = None,
+    ):
+        if layer_specs is None:
+            if config is None:
+                raise TypeError(f"{type(self).__name__} needs config= (or layer_specs=) to know its layers")
+            layer_specs = layer_specs_from_config(config, dtype=dtype, device=device)
+        self._build(
+            layer_specs=layer_specs,
+            max_batch_size=max_batch_size,
+            length=max_encoder_len,
+            on_overflow=on_overflow,
+            shape_policy=shape_policy,
+        )
         if ATTENTION_LAYER_CLASSES[self.shape_policy].is_compileable:  # the fixed-shape policies
             for layer in self.layers:
                 layer.mark_static_address()
@@ -662,11 +246,16 @@ class FlexibleCrossAttentionCache(FlexibleStaticCache):
     def _layer_class(self, spec: LayerSpec) -> type:
         return FlexibleStaticLayer
 
-    def capacities(self) -> dict[str, int]:
-        return {"max_batch_size": self.max_batch_size, self.length_name: self.max_cache_len}
+    @property
+    def max_encoder_len(self) -> int:
+        return self._length()
+
+    def grow(self, *, max_batch_size: int | None = None, max_encoder_len: int | None = None) -> None:
+        """Reallocate to at least these capacities, keeping live content. A no-op when the cache is big enough."""
+        self._grow_to({"max_batch_size": max_batch_size or 0, "max_encoder_len": max_encoder_len or 0})
 
 
-class FlexibleEncoderDecoderCache(EncoderDecoderCache):
+class FlexibleEncoderDecoderCache(FlexibleStorage, EncoderDecoderCache):
     """Self-attention plus cross-attention flexible caches, allocated once for encoder-decoder models.
 
     Args:
@@ -677,18 +266,17 @@ class FlexibleEncoderDecoderCache(EncoderDecoderCache):
         dtype (`torch.dtype`, *optional*, defaults to `torch.float32`): dtype of the storage.
         device (`torch.device` or `str`, *optional*, defaults to `"cpu"`): device of the storage.
         on_overflow (`str`, *optional*, defaults to `"grow"`): `"grow"` or `"error"`, as for `FlexibleStaticCache`.
-        shape_policy (`str`, *optional*, defaults to `"exact"`): `"exact"` or `"padded"`, as for
-            `FlexibleStaticCache` (it applies to self-attention; see `FlexibleCrossAttentionCache` for cross-attention).
+        shape_policy (`str`, *optional*, defaults to `"exact"`): `"exact"`, `"padded"` or `"bucketed"`, as for
+            `FlexibleStaticCache` (it applies to self-attention; see `FlexibleCrossAttentionCache` for
+            cross-attention).
         layer_specs, cross_layer_specs (`list[LayerSpec]`, *optional*): per-layer specs of the self-attention and
             cross-attention storage (see `FlexibleStaticCache`).
 
     Models read the cross-attention keys and values of the current call through `cross_attention_kv`, which writes
     them on the call's first decoder step (`cross_attention_cache.update`) and reads them back afterwards
-    (`cross_attention_cache.get_kv`).
+    (`cross_attention_cache.get_kv`). The lifecycle of the storage (bytes, reservation, renewal, staleness, release)
+    loops over the two halves (`FlexibleStorage`).
     """
-
-    _stale: str | None = None
-    _owner = None
 
     def __init__(
         self,
@@ -715,7 +303,7 @@ class FlexibleEncoderDecoderCache(EncoderDecoderCache):
         check_positive_int("max_encoder_len", max_encoder_len)
         super().__init__(
             FlexibleStaticCache(max_cache_len=max_cache_len, layer_specs=layer_specs, **common),
-            FlexibleCrossAttentionCache(max_cache_len=max_encoder_len, layer_specs=cross_layer_specs, **common),
+            FlexibleCrossAttentionCache(max_encoder_len=max_encoder_len, layer_specs=cross_layer_specs, **common),
         )
 
     @classmethod
@@ -773,15 +361,28 @@ class FlexibleEncoderDecoderCache(EncoderDecoderCache):
         cross_layer_specs: list[LayerSpec] | None = None,
     ) -> dict[str, int]:
         """Bytes that a cache of these capacities allocates on each device."""
-        common = {"config": config, "max_batch_size": max_batch_size, "dtype": dtype}
-        per_device = FlexibleStaticCache.nbytes_per_device_for(
-            max_cache_len=max_cache_len, layer_specs=layer_specs, **common
+        if layer_specs is None or cross_layer_specs is None:
+            from_config = layer_specs_from_config(config, dtype=dtype)
+            layer_specs, cross_layer_specs = layer_specs or from_config, cross_layer_specs or from_config
+        return _sum_per_device(
+            nbytes_per_device_of(layer_specs, max_batch_size=max_batch_size, length=max_cache_len),
+            nbytes_per_device_of(cross_layer_specs, max_batch_size=max_batch_size, length=max_encoder_len),
         )
-        cross = FlexibleStaticCache.nbytes_per_device_for(
-            max_cache_len=max_encoder_len, layer_specs=cross_layer_specs, **common
-        )
-        return {key: per_device.get(key, 0) + cross.get(key, 0) for key in {**per_device, **cross}}
 
+    # --- FlexibleStorage: the two halves ------------------------------------------------------------------------
+    def _parts(self) -> tuple[FlexibleLayerCache, ...]:
+        return (self.self_attention_cache, self.cross_attention_cache)
+
+    def _let_go(self, reason: str) -> None:
+        for part in self._parts():
+            part.mark_stale(reason)
+
+    def _renew_from(self, old: FlexibleEncoderDecoderCache) -> None:
+        self.self_attention_cache = old.self_attention_cache.renewed()
+        self.cross_attention_cache = old.cross_attention_cache.renewed()
+        self.is_updated = dict.fromkeys(old.is_updated, False)
+
+    # --- what the halves hold -------------------------------------------------------------------------------------
     @property
     def max_batch_size(self) -> int:
         return self.self_attention_cache.max_batch_size
@@ -792,10 +393,7 @@ class FlexibleEncoderDecoderCache(EncoderDecoderCache):
 
     @property
     def max_encoder_len(self) -> int:
-        return self.cross_attention_cache.max_cache_len
-
-    def capacities(self) -> dict[str, int]:
-        return {**self.self_attention_cache.capacities(), **self.cross_attention_cache.capacities()}
+        return self.cross_attention_cache.max_encoder_len
 
     @property
     def on_overflow(self) -> str:
@@ -804,23 +402,16 @@ class FlexibleEncoderDecoderCache(EncoderDecoderCache):
     @on_overflow.setter
     def on_overflow(self, value: str) -> None:
         check_choice("on_overflow", value, ON_OVERFLOW_CHOICES)
-        self.self_attention_cache.on_overflow = self.cross_attention_cache.on_overflow = value
+        for part in self._parts():
+            part.on_overflow = value
 
     @property
     def shape_policy(self) -> str:
         return self.self_attention_cache.shape_policy
 
     @property
-    def nbytes(self) -> int:
-        return self.self_attention_cache.nbytes + self.cross_attention_cache.nbytes
-
-    def nbytes_per_device(self) -> dict[str, int]:
-        own, cross = self.self_attention_cache.nbytes_per_device(), self.cross_attention_cache.nbytes_per_device()
-        return {key: own.get(key, 0) + cross.get(key, 0) for key in {**own, **cross}}
-
-    @property
     def num_allocations(self) -> int:
-        return self.self_attention_cache.num_allocations + self.cross_attention_cache.num_allocations
+        return sum(part.num_allocations for part in self._parts())
 
     @property
     def dtype(self) -> torch.dtype:
@@ -842,64 +433,13 @@ class FlexibleEncoderDecoderCache(EncoderDecoderCache):
     def batch_size(self) -> int:
         return self.self_attention_cache.batch_size
 
-    def data_ptrs(self) -> list[int]:
-        return self.self_attention_cache.data_ptrs() + self.cross_attention_cache.data_ptrs()
-
-    def reserve(self, need: Mapping[str, int], *, config: CacheConfig | None = None, geometric: bool = False) -> None:
-        """Make room for a call in both caches (`max_batch_size`, `max_cache_len`, `max_encoder_len`): both are
-        checked before either changes. See `FlexibleStaticCache.reserve` (`geometric` applies to the decoder length).
-
-        Raises:
-            ValueError: with `on_overflow="error"`, naming each value, its limit and the `cache_config` that fits.
-        """
-        self._check_live()
-        config = config if config is not None else CacheConfig(on_overflow=self.on_overflow)
-        held = self.capacities()
-        target, exceeded = plan_capacities(held, need, config)
-        if exceeded and config.on_overflow == "error":
-            raise ValueError(overflow_message(exceeded))
-        if geometric:
-            target = with_headroom(target, held, self.self_attention_cache.length_name, config)
-        if exceeded:
-            logger.warning("%s grows (one reallocation): %s", type(self).__name__, overflow_message(exceeded))
-        self.self_attention_cache._apply_reservation(target, config, need=need)
-        self.cross_attention_cache._apply_reservation(target, config, need=need)
-
-    # --- ownership ----------------------------------------------------------------------------------------------
-    def renewed(self) -> FlexibleEncoderDecoderCache:
-        """A new, reset cache object over the same storage (see `FlexibleStaticCache.renewed`)."""
-        cache = copy.copy(self)
-        cache.self_attention_cache = self.self_attention_cache.renewed()
-        cache.cross_attention_cache = self.cross_attention_cache.renewed()
-        cache.is_updated = dict.fromkeys(self.is_updated, False)
-        cache._stale = None
-        return cache
-
-    def mark_stale(self, reason: str) -> None:
-        self._stale = reason
-        self.self_attention_cache.mark_stale(reason)
-        self.cross_attention_cache.mark_stale(reason)
-
     @property
-    def is_stale(self) -> bool:
-        return self._stale is not None
+    def num_prompt_pad(self) -> int:
+        return self.self_attention_cache.num_prompt_pad
 
-    def _check_live(self) -> None:
-        if self._stale is not None and not torch.compiler.is_compiling():
-            raise ValueError(self._stale)
-
-    def free(self, reason: str) -> int:
-        """Give both caches' storage back now; returns the bytes (see `FlexibleStaticCache.free`)."""
-        freed = self.self_attention_cache.free(reason) + self.cross_attention_cache.free(reason)
-        self.mark_stale(reason)
-        return freed
-
-    def detach(self) -> FlexibleEncoderDecoderCache:
-        """See `FlexibleStaticCache.detach`."""
-        self._check_live()
-        if self._owner is not None:
-            self._owner.detach(self)
-        return self
+    @num_prompt_pad.setter
+    def num_prompt_pad(self, value: int) -> None:
+        self.self_attention_cache.num_prompt_pad = value
 
     # --- access -------------------------------------------------------------------------------------------------
     def get_encoder_length(self, layer_idx: int = 0) -> int:
@@ -958,8 +498,8 @@ class FlexibleEncoderDecoderCache(EncoderDecoderCache):
 
     def early_initialization(self, batch_size: int, num_heads, head_dim, dtype: torch.dtype, device) -> None:
         """Storage is allocated at construction; this only makes room for `batch_size` rows (upstream API)."""
-        self.self_attention_cache.early_initialization(batch_size, num_heads, head_dim, dtype, device)
-        self.cross_attention_cache.early_initialization(batch_size, num_heads, head_dim, dtype, device)
+        for part in self._parts():
+            part.early_initialization(batch_size, num_heads, head_dim, dtype, device)
 
 
 def is_flexible_cache(cache) -> bool:

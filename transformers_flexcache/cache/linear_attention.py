@@ -13,6 +13,9 @@ Design decisions:
 - `reset` only clears `has_previous_state`: the next prefill overwrites rows `[:B]` whole before anything reads them.
 - In padded mode (`FlexiblePaddedLinearAttentionLayer`) they are compileable: every call has the same batch, and the
   states have no length axis.
+- Models reach the states through the cache's accessors (`LinearAttentionStates`, a base of `FlexibleStaticCache`),
+  named as upstream's `Cache` names them: `get_conv_state`, `update_conv_state`, `get_recurrent_state`,
+  `update_recurrent_state`.
 """
 
 from __future__ import annotations
@@ -230,3 +233,130 @@ LINEAR_ATTENTION_LAYER_CLASSES = {
     "padded": FlexiblePaddedLinearAttentionLayer,
     "bucketed": FlexiblePaddedLinearAttentionLayer,
 }
+
+
+class LinearAttentionStates:
+    """The linear-attention (Mamba) state accessors of a cache that holds `FlexibleLinearAttentionLayer`s.
+
+    A base of `FlexibleStaticCache`, which provides what these methods rely on: `_check_live()` (a stale cache
+    raises), `_checked_layer(layer_idx, layer_class)` (the layer, checked to exist and be of that class) and
+    `ensure_capacity(batch_size=..., length=...)` (room for the rows, per `on_overflow`).
+    """
+
+    def _linear_layer(self, layer_idx: int, state_idx: int) -> FlexibleLinearAttentionLayer:
+        self._check_live()
+        layer = self._checked_layer(layer_idx, FlexibleLinearAttentionLayer)
+        if state_idx != 0:
+            raise ValueError(f"state_idx={state_idx} is out of range: linear-attention layers hold one state (0)")
+        return layer
+
+    def _check_state_batch(self, layer: FlexibleLinearAttentionLayer, layer_idx: int, batch_size: int) -> None:
+        if layer.batch_size > 0 and batch_size != layer.batch_size:
+            raise ValueError(
+                f"batch_size={batch_size} differs from batch_size={layer.batch_size} already cached in layer "
+                f"{layer_idx}; call cache.reset() before a call with another batch"
+            )
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        """Conv state of linear-attention layer `layer_idx` for the live batch.
+
+        Args:
+            layer_idx (`int`): a linear-attention decoder layer.
+            state_idx (`int`, *optional*, defaults to 0): which state; these layers hold one.
+
+        Returns:
+            `torch.Tensor | None`: a view `[B, C, K]` into the storage (no copy), so that the model's in-place decode
+            update (`conv_state.copy_(...)`) lands in the cache; None from `reset()` until this call's first
+            `update_conv_state`, as upstream.
+
+        Raises:
+            ValueError: `layer_idx` is out of range or not a linear-attention layer, or `state_idx` is not 0.
+        """
+        return self._linear_layer(layer_idx, state_idx).get_conv_state()
+
+    def update_conv_state(
+        self,
+        conv_states: torch.Tensor,
+        layer_idx: int,
+        state_idx: int = 0,
+        conv_kernel_size: int | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """Write the conv state of linear-attention layer `layer_idx`: the last `K` positions of what is returned.
+
+        Args:
+            conv_states (`torch.Tensor`): `[B, C, S]` new conv inputs.
+            layer_idx (`int`): a linear-attention decoder layer.
+            state_idx (`int`, *optional*, defaults to 0): which state; these layers hold one.
+            conv_kernel_size (`int`, *optional*): the model's kernel size, checked against the storage's `K`.
+
+        Returns:
+            `torch.Tensor`: as upstream's `LinearAttentionLayer.update_conv_state`: on the first update since
+            `reset()` (the prefill) `conv_states` left-padded to at least `K` positions, `[B, C, max(S, K)]`;
+            afterwards the cached state followed by `conv_states`, `[B, C, K + S]`.
+
+        Raises:
+            ValueError: as for `get_conv_state`; `C` or `K` differs from the storage; the batch differs from the one
+                written since the last `reset()`; or `B` exceeds `max_batch_size` with `on_overflow="error"`.
+                Nothing is written in any of these cases.
+        """
+        layer = self._linear_layer(layer_idx, state_idx)
+        kernel_size = layer.conv_kernel_size[0]
+        if conv_kernel_size is not None and conv_kernel_size != kernel_size:
+            raise ValueError(
+                f"conv_kernel_size={conv_kernel_size} differs from the kernel size {kernel_size} that layer "
+                f"{layer_idx} was allocated with (the config's `mamba_d_conv`)"
+            )
+        if tuple(conv_states.shape[1:-1]) != layer.conv_shape[:-1]:
+            raise ValueError(
+                f"conv_states of shape {tuple(conv_states.shape)} do not fit layer {layer_idx}, allocated for "
+                f"[batch, {layer.conv_shape[0]}, length] from the config"
+            )
+        self._check_state_batch(layer, layer_idx, conv_states.shape[0])
+        self.ensure_capacity(batch_size=conv_states.shape[0], length=0)
+        return layer.update_conv_state(conv_states)
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        """Recurrent (SSM) state of linear-attention layer `layer_idx` for the live batch.
+
+        Args:
+            layer_idx (`int`): a linear-attention decoder layer.
+            state_idx (`int`, *optional*, defaults to 0): which state; these layers hold one.
+
+        Returns:
+            `torch.Tensor | None`: a view `[B, C, N]` into the storage (no copy), so that the model's in-place decode
+            update (`state.copy_(...)`) lands in the cache; None from `reset()` until this call's first
+            `update_conv_state`, as upstream.
+
+        Raises:
+            ValueError: `layer_idx` is out of range or not a linear-attention layer, or `state_idx` is not 0.
+        """
+        return self._linear_layer(layer_idx, state_idx).get_recurrent_state()
+
+    def update_recurrent_state(
+        self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs
+    ) -> torch.Tensor:
+        """Write the recurrent (SSM) state of linear-attention layer `layer_idx`.
+
+        Args:
+            recurrent_states (`torch.Tensor`): `[B, C, N]` the state after this call's tokens.
+            layer_idx (`int`): a linear-attention decoder layer.
+            state_idx (`int`, *optional*, defaults to 0): which state; these layers hold one.
+
+        Returns:
+            `torch.Tensor`: a view `[B, C, N]` into the storage, holding `recurrent_states`.
+
+        Raises:
+            ValueError: as for `get_recurrent_state`; `(C, N)` differs from the storage; the batch differs from the
+                one written since the last `reset()`; or `B` exceeds `max_batch_size` with `on_overflow="error"`.
+                Nothing is written in any of these cases.
+        """
+        layer = self._linear_layer(layer_idx, state_idx)
+        if tuple(recurrent_states.shape[1:]) != layer.recurrent_shape:
+            raise ValueError(
+                f"recurrent_states of shape {tuple(recurrent_states.shape)} do not fit layer {layer_idx}, allocated "
+                f"for [batch, {', '.join(map(str, layer.recurrent_shape))}] from the config"
+            )
+        self._check_state_batch(layer, layer_idx, recurrent_states.shape[0])
+        self.ensure_capacity(batch_size=recurrent_states.shape[0], length=0)
+        return layer.update_recurrent_state(recurrent_states)

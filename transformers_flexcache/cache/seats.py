@@ -588,5 +588,81 @@ class FlexibleSeatEncoderDecoderCache(EncoderDecoderCache):
         raise NotImplementedError("a seat cache cannot be cropped")
 
 
+class RequestSeats(Cache):
+    """The cache that one request's `generate` call sees in the serving engine: its seats of the engine's seat cache.
+
+    It holds no tensors. The model call given it (`FlexModelMixin.__call__`) goes to `run_forward`, which the engine
+    answers from a batched step; `get_seq_length` counts what this request has written, and `reorder_cache` reorders
+    beams within the request's own seats (`reorder_rows`).
+
+    Args:
+        run_forward (`Callable[[RequestSeats, dict], ModelOutput]`): runs the model call's kwargs for this request.
+        reorder_rows (`Callable[[RequestSeats, torch.Tensor], None]`): beam reordering within its seats.
+        rows (`torch.Tensor`): `[R]` the seats of the request's rows, in order.
+        encoder_len (`int`, *optional*): its encoder length (encoder-decoder models).
+        layer_flags (`dict`): `is_sliding` and `is_linear` of the engine's layers, as upstream's `Cache` reports them.
+        owner (*optional*): who runs it (the engine's `RequestWorker`).
+    """
+
+    def __init__(
+        self, *, run_forward, reorder_rows, rows: torch.Tensor, encoder_len: int | None, layer_flags: dict, owner=None
+    ):
+        super().__init__(layers=[])
+        self.owner = owner
+        self._run_forward, self._reorder_rows = run_forward, reorder_rows
+        self.rows = rows  # [R] seats, in the order of the request's rows
+        self.encoder_len = encoder_len
+        self.length = 0  # decoder columns written by this generate call
+        self.admitted = False  # its prefill ran (or it joined the decode step): its model calls are decode steps
+        self._flags = layer_flags
+        self._closed = False
+
+    @property
+    def is_compileable(self) -> bool:
+        return False  # the request's own generate never compiles: the engine's step does
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return self._flags["is_sliding"]
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return self._flags["is_linear"]
+
+    @property
+    def is_dummy(self) -> list[bool]:
+        return [False] * len(self._flags["is_linear"])
+
+    def __len__(self) -> int:
+        return len(self._flags["is_linear"])
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        self._check_open()
+        return self.length
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row `i` of the request takes what its row `beam_idx[i]` holds (within its own seats)."""
+        self._check_open()
+        self._reorder_rows(self, beam_idx)
+
+    def forward(self, model_inputs: dict):
+        """Run `model(**model_inputs)` for this request in the engine's next batched step; returns its outputs."""
+        self._check_open()
+        return self._run_forward(self, model_inputs)
+
+    def close(self) -> None:
+        self._closed = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(
+                "this cache belonged to a request of a serving engine that has finished: its seats serve other "
+                "requests now, so it cannot be read or continued"
+            )
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("an engine request's cache cannot be cropped (assisted decoding is not served)")
+
+
 def is_seat_cache(cache) -> bool:
     return isinstance(cache, (FlexibleSeatCache, FlexibleSeatEncoderDecoderCache))

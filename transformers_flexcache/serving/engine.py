@@ -79,7 +79,7 @@ class Engine:
     """
 
     def __init__(self, model, *, cache_config: dict, compile_config=None, max_queue: int = 64, tokenizer=None):
-        from ..modeling import FlexModelMixin  # modeling imports generation, which reads `serving.context`
+        from ..modeling import FlexModelMixin  # loaded on first use, as the package loads model code
 
         if not isinstance(model, FlexModelMixin):
             raise TypeError(
@@ -238,7 +238,7 @@ class Engine:
 
     def note_admitted(self, seats) -> None:
         """A request's prefill ran: record when (the first one, for a request of several generate calls)."""
-        handle = seats.worker.handle
+        handle = seats.owner.handle
         if handle.admitted_at is None:
             handle.admitted_at = time.perf_counter()
             handle.admitted_at_step = self.stats["decode_steps"]

@@ -16,6 +16,7 @@ from transformers.modeling_outputs import ModelOutput
 
 from ..cache import CacheConfig
 from ..cache.config import Overflow, overflow_message
+from ..plan import CallPlan
 from .handle import CapacityError, RequestHandle
 from .worker import RequestSpec
 
@@ -109,21 +110,18 @@ def check_request(engine, seed: int | None, kwargs: dict, *, on_cancel) -> Reque
                 "engine batches requests itself)"
             )
     model = engine.model
-    generation_kwargs = {k: v for k, v in kwargs.items() if k not in MODEL_INPUTS}
-    generation_config, _ = model._prepare_generation_config(
-        generation_kwargs.pop("generation_config", None), **dict(generation_kwargs)
-    )
+    # What generate would resolve and need for this request alone, resolved once (the call plan of `plan.py`).
+    plan = CallPlan.resolve(model, kwargs)
+    generation_config = plan.generation_config
     mode = generation_config.get_generation_mode()
     if mode not in SERVED_MODES:
         raise ValueError(
             f"Engine.submit serves greedy search, sampling and beam search (with sampling), not {mode.value}"
         )
-    num_beams, num_sequences = generation_config.num_beams or 1, generation_config.num_return_sequences or 1
-    # As many rows as generate uses for it alone; Whisper's generate repeats the input per returned sequence first.
-    whisper_like = is_whisper_like(model)
-    num_seats = num_beams * num_sequences if whisper_like else max(num_beams, num_sequences)
+    # As many seats as generate uses rows for it alone (Whisper's repeats its input per returned sequence first).
+    num_seats = plan.need.rows
     inputs = {name: kwargs[name] for name in MODEL_INPUTS if name in kwargs}
-    _check_fits(engine, generation_config, inputs, num_seats)
+    _check_fits(engine, plan.need)
     forwarded = {k: v for k, v in kwargs.items() if k not in inputs}
     forwarded["use_cache"] = True
     if engine.tokenizer is not None and generation_config.stop_strings and "tokenizer" not in forwarded:
@@ -133,7 +131,7 @@ def check_request(engine, seed: int | None, kwargs: dict, *, on_cancel) -> Reque
         generation_kwargs=forwarded,
         num_seats=num_seats,
         seed=seed if seed is not None else int.from_bytes(os.urandom(7), "little"),
-        stream=generation_config.num_beams == 1 and not whisper_like,
+        stream=generation_config.num_beams == 1 and not is_whisper_like(model),
         handle=RequestHandle(request_id=-1, num_seats=num_seats, on_cancel=on_cancel),
         prompt_len=_prompt_len(engine, inputs),
     )
@@ -149,41 +147,24 @@ def _prompt_len(engine, inputs: dict) -> int:
     return inputs["input_ids"].shape[1] if "input_ids" in inputs else 0
 
 
-def _check_fits(engine, generation_config, inputs: dict, num_seats: int) -> None:
-    prompt_len = _prompt_len(engine, inputs)
-    if generation_config.max_new_tokens is not None:
-        positions = prompt_len + generation_config.max_new_tokens - 1
-    else:
-        positions = generation_config.max_length - 1
-    need = {"max_batch_size": num_seats, "max_cache_len": positions}
-    encoder_len = _encoder_len(engine, inputs)
-    if encoder_len is not None:
-        need["max_encoder_len"] = encoder_len
+def _check_fits(engine, need) -> None:
+    """Refuse a request whose `Need` exceeds a capacity of the engine (Whisper's decoder positions are a lower bound
+    here, see `CallPlan.resolve`: its worker checks them again when its generate prepares the cache)."""
+    stated = {"max_batch_size": need.rows, "max_cache_len": need.decoder_positions}
+    if need.encoder_positions is not None:
+        stated["max_encoder_len"] = need.encoder_positions
     limits = {
         "max_batch_size": engine.max_batch_size,
         "max_cache_len": engine.max_cache_len,
         "max_encoder_len": engine.max_encoder_len,
     }
-    exceeded = [Overflow(name, value, limits[name]) for name, value in need.items() if value > limits[name]]
+    exceeded = [Overflow(name, value, limits[name]) for name, value in stated.items() if value > limits[name]]
     if exceeded:
         raise CapacityError(
             f"this request can never fit the engine: {overflow_message(exceeded)}",
             needed={overflow.name: overflow.value for overflow in exceeded},
             limits={overflow.name: overflow.limit for overflow in exceeded},
         )
-
-
-def _encoder_len(engine, inputs: dict) -> int | None:
-    if not engine.is_encoder_decoder:
-        return None
-    if inputs.get("encoder_outputs") is not None:
-        return inputs["encoder_outputs"][0].shape[1]
-    if "input_features" in inputs:
-        return getattr(engine.model.config, "max_source_positions", None)
-    for name in ("input_ids", "flattened_patches"):
-        if name in inputs:
-            return inputs[name].shape[1]
-    return None
 
 
 def pad_token_id_of(model) -> int:

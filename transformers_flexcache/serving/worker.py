@@ -24,11 +24,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache
 from transformers.generation.streamers import BaseStreamer
 
+from .. import plan as calls
 from ..cache.config import Overflow, overflow_message
-from . import context
+from ..cache.seats import RequestSeats
+from ..plan import rows_per_input
 from .handle import RequestHandle
 
 
@@ -60,71 +61,6 @@ class RequestSpec:
     @classmethod
     def from_wire(cls, wire: dict, *, handle: RequestHandle) -> RequestSpec:
         return cls(**wire, handle=handle)
-
-
-class RequestSeats(Cache):
-    """The cache that one request's `generate` call sees: its seats of the engine's seat cache.
-
-    It holds no tensors. The model call given it goes to the engine (`FlexModelMixin.__call__`), which runs it in a
-    batched step; `get_seq_length` counts what this request has written, and `reorder_cache` reorders beams within
-    the request's own seats.
-    """
-
-    def __init__(self, *, worker: RequestWorker, rows: torch.Tensor, encoder_len: int | None, layer_flags: dict):
-        super().__init__(layers=[])
-        self.worker = worker
-        self.rows = rows  # [R] seats, in the order of the request's rows
-        self.encoder_len = encoder_len
-        self.length = 0  # decoder columns written by this generate call
-        self.admitted = False  # its prefill ran (or it joined the decode step): its model calls are decode steps
-        self._flags = layer_flags
-        self._closed = False
-
-    @property
-    def is_compileable(self) -> bool:
-        return False  # the request's own generate never compiles: the engine's step does
-
-    @property
-    def is_sliding(self) -> list[bool]:
-        return self._flags["is_sliding"]
-
-    @property
-    def is_linear(self) -> list[bool]:
-        return self._flags["is_linear"]
-
-    @property
-    def is_dummy(self) -> list[bool]:
-        return [False] * len(self._flags["is_linear"])
-
-    def __len__(self) -> int:
-        return len(self._flags["is_linear"])
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        self._check_open()
-        return self.length
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: row `i` of the request takes what its row `beam_idx[i]` holds (within its own seats)."""
-        self._check_open()
-        self.worker.engine.reorder_seats(self, beam_idx)
-
-    def forward(self, model_inputs: dict):
-        """Run `model(**model_inputs)` for this request in the engine's next batched step; returns its outputs."""
-        self._check_open()
-        return self.worker.call("forward", (self, model_inputs))
-
-    def close(self) -> None:
-        self._closed = True
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ValueError(
-                "this cache belonged to a request of a serving engine that has finished: its seats serve other "
-                "requests now, so it cannot be read or continued"
-            )
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("an engine request's cache cannot be cropped (assisted decoding is not served)")
 
 
 class _HandleStreamer(BaseStreamer):
@@ -201,8 +137,14 @@ class RequestWorker:
             ValueError: the call needs more rows than the request's seats, or more decoder or encoder positions than
                 the engine's capacities (value, limit and the `cache_config` that fits).
         """
-        model = self.engine.model
-        need = model._flexible_cache_need(generation_config, model_kwargs, batch_size, max_cache_length)
+        need = {
+            # Upstream's own numbers, as generate states them (`CallPlan.need_of`): rows of the call's batch, its
+            # decoder positions (at least the `max_cache_len` option) and its encoder length.
+            "max_batch_size": batch_size * rows_per_input(self.engine.model, generation_config),
+            "max_cache_len": max(max_cache_length, generation_config.max_cache_len or 0),
+        }
+        if self.engine.is_encoder_decoder:
+            need["max_encoder_len"] = model_kwargs["encoder_outputs"][0].shape[1]
         limits = {
             "max_batch_size": len(self.seats),
             "max_cache_len": self.engine.max_cache_len,
@@ -214,7 +156,9 @@ class RequestWorker:
         if self.session is not None:
             self.session.close()
         self.session = RequestSeats(
-            worker=self,
+            run_forward=lambda seats, model_inputs: self.call("forward", (seats, model_inputs)),
+            reorder_rows=self.engine.reorder_seats,
+            owner=self,
             rows=self.seats[: need["max_batch_size"]],
             encoder_len=need.get("max_encoder_len"),
             layer_flags=self.engine.layer_flags,
@@ -223,7 +167,7 @@ class RequestWorker:
 
     def _main(self) -> None:
         self._wait_turn()
-        token = context.serving(self)
+        token = calls.serve_request(self)
         try:
             kwargs = dict(self.spec.generation_kwargs)
             if self.spec.stream:
@@ -234,7 +178,7 @@ class RequestWorker:
         else:
             self._hand_back(EngineCall("done", output))
         finally:
-            context.reset(token)
+            calls.stop_serving(token)
 
     def _wait_turn(self) -> None:
         self._turn.wait()

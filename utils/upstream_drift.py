@@ -6,6 +6,9 @@ internals without copying any of them. Each upstream object involved is an entry
 of its source at `PINNED_TRANSFORMERS_VERSION`. `tests/test_upstream_drift.py` fails when the installed transformers
 has different code for one of them, and the message says which code of ours to re-check, and what in it.
 
+It lives outside the runtime package, as transformers keeps `utils/check_copies.py`: only the drift test uses it, and
+an installed package never reads it.
+
 Design decisions:
 - A fingerprint hashes the object's source parsed with `ast`, with docstrings dropped and without positions, so
   comments, formatting and documentation never count, only code. Fields that are empty or None are left out of the
@@ -232,7 +235,7 @@ def drift_message(name: str, found: str, users: list[tuple[str, str, str]], rech
     ours = " and ".join(f"{user} ({path}), which {verb}" for user, path, verb in users) or "nothing (a stale entry)"
     return (
         f"{name} changed since transformers=={version} (fingerprint {UPSTREAM[name].fingerprint} -> {found}); "
-        f"re-check {ours}: {recheck}; then update its fingerprint in UPSTREAM (transformers_flexcache/upstream.py)"
+        f"re-check {ours}: {recheck}; then update its fingerprint in UPSTREAM (utils/upstream_drift.py)"
     )
 
 
@@ -360,13 +363,15 @@ UPSTREAM: dict[str, Upstream] = {
         "1a73044a4d7e2d6a",
         "the static cache that `flexible_static` replaces: self length from `_previous_max_cache_length`, cross "
         "length exactly the encoder's, a new cache per call; keep docs/upstream.md's PR plan and our sizing in step",
-        users=("FlexCacheGenerationMixin._flexible_cache_need", "CachePool.lease"),
+        users=("CallPlan.need_of", "CachePool.lease"),
     ),
     f"{_GEN}.generate": Upstream(
         "4a0fc811a6cdaffc",
         "padded mode binds its signature (first parameter the main input, one `**kwargs`) and passes "
-        "`stopping_criteria`; the cache is prepared by `_prepare_cache_for_generation` after the encoder ran",
-        users=("PaddedPolicy.generate", "FlexCacheInnerGenerateMixin.generate"),
+        "`stopping_criteria`; the cache is prepared by `_prepare_cache_for_generation` after the encoder ran, with "
+        "`max_length - 1` positions (plus the embeddings' length for `inputs_embeds`); `has_default_max_length` is "
+        "read before the config is resolved (a call's plan states its need from the same steps)",
+        users=("PaddedPolicy.generate", "FlexCacheInnerGenerateMixin.generate", "_has_default_max_length"),
     ),
     f"{_GEN}._prepare_model_inputs": Upstream(
         "a6e24c11df8579c8",
@@ -385,8 +390,14 @@ UPSTREAM: dict[str, Upstream] = {
     ),
     f"{_GEN}._prepare_generated_length": Upstream(
         "dca0803e630e9098",
-        "padded mode turns `max_length`/`min_length` into new-token counts, which must keep taking precedence here",
+        "padded mode turns `max_length`/`min_length` into new-token counts, which must keep taking precedence here; "
+        "a call's plan mirrors how `max_length` is set, to state the decoder positions before generate runs",
         users=("lengths_as_new_tokens",),
+    ),
+    f"{_GEN}._prepare_decoder_input_ids_for_generation": Upstream(
+        "795bf731d93e9d18",
+        "a call's plan mirrors the length of the decoder inputs: those given, with the start token put first unless "
+        "every row starts with it (not for Whisper or Donut); the start token alone when none is given",
     ),
     f"{_GEN}.prepare_inputs_for_generation": Upstream(
         "b767bffb7cdd3388",
@@ -426,7 +437,7 @@ UPSTREAM: dict[str, Upstream] = {
     f"{_CACHE}.Cache.early_initialization": Upstream(
         "015e1b2f23a910f3",
         "ours only makes room for the batch (storage exists from construction); keep its signature",
-        users=("FlexibleStaticCache.early_initialization", "FlexibleEncoderDecoderCache.early_initialization"),
+        users=("FlexibleLayerCache.early_initialization", "FlexibleEncoderDecoderCache.early_initialization"),
     ),
     f"{_CACHE}.Cache.has_previous_state": Upstream(
         "beb6560988872269",
@@ -490,7 +501,7 @@ UPSTREAM: dict[str, Upstream] = {
     f"{_CACHE}.EncoderDecoderCache.reset": Upstream(
         "cdaa59dd4c34ed9f",
         "inherited: `generate` resets our cache through it (both caches, then `is_updated`)",
-        users=("FlexibleEncoderDecoderCache.renewed",),
+        users=("FlexibleEncoderDecoderCache._renew_from",),
     ),
     # Model code that our "no change needed" claims rest on (module docstrings of model_overrides/*.py).
     f"{_T5}.T5Stack.forward": Upstream(
@@ -556,7 +567,7 @@ UPSTREAM: dict[str, Upstream] = {
         "2d05f7bf3c832ffc",
         "it writes the states that `get_conv_state`/`get_recurrent_state` return in place while decoding, which is "
         "why ours return views of the storage",
-        users=("FlexibleStaticCache.get_conv_state", "FlexibleStaticCache.get_recurrent_state"),
+        users=("LinearAttentionStates.get_conv_state", "LinearAttentionStates.get_recurrent_state"),
     ),
     f"{_JAMBA}.JambaAttention.forward": Upstream(
         "53c3cae9ae3f5f07",

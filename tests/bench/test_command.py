@@ -12,10 +12,10 @@ from transformers import DynamicCache
 
 from tests.model_cases import LLAMA
 from transformers_flexcache.__main__ import main
-from transformers_flexcache.bench.command import BASELINE, STRATEGIES, strategies_for
 from transformers_flexcache.bench.measure import FIGURES, CacheStorageTracker
 from transformers_flexcache.bench.models import DEFAULT_MODELS
 from transformers_flexcache.bench.report import format_model
+from transformers_flexcache.bench.strategies import BASELINE, STRATEGIES, strategies_for
 from transformers_flexcache.cache import FlexibleStaticCache
 
 # Figures that only torch strategies report (CTranslate2 exposes no cache allocations or compiled graphs).

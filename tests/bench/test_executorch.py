@@ -20,19 +20,13 @@ import torch
 from tests.export.conftest import needs_executorch
 from transformers_flexcache import zoo
 from transformers_flexcache.__main__ import main
-from transformers_flexcache.bench.command import (
-    BASELINE,
-    STRATEGIES,
-    STRATEGIES_BY_NAME,
-    Call,
-    ModelResult,
-    _executorch_runners,
-    strategies_for,
-)
 from transformers_flexcache.bench.executorch import Unavailable, check_runnable, reference_processors
 from transformers_flexcache.bench.measure import FIGURES, CallRecord
+from transformers_flexcache.bench.model_run import ModelResult, _executorch_runners
 from transformers_flexcache.bench.models import BENCH_MODELS, build_models
 from transformers_flexcache.bench.report import format_footer, format_model, to_json
+from transformers_flexcache.bench.strategies import BASELINE, STRATEGIES, STRATEGIES_BY_NAME, strategies_for
+from transformers_flexcache.bench.stream import Call
 
 EXECUTORCH_STRATEGIES = ("executorch", "executorch-8da4w", "executorch-transformers")
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tests.model_cases import LLAMA
-from transformers_flexcache.bench.command import bench_buckets
 from transformers_flexcache.bench.measure import CallRecord, DecodeStepBytes, summarize
+from transformers_flexcache.bench.stream import bench_buckets
 
 
 def test_decode_step_bytes_are_every_weight_the_step_reads_with_embeddings_by_rows_and_the_live_cache():

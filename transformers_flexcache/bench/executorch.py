@@ -298,10 +298,10 @@ def build_runner(strategy, *, upstream, flex, capacities: dict):
     `check_runnable` first.
 
     Args:
-        strategy: a `command.Strategy` whose `runtime` is `OURS` or `TRANSFORMERS`.
+        strategy: a `strategies.Strategy` whose `runtime` is `OURS` or `TRANSFORMERS`.
         upstream: the upstream model (fp32, CPU); transformers' exporter exports copies of it.
         flex: the override model with the same weights (ours export it; a copy is quantized).
-        capacities: the stream's capacities (`command.capacities_for`); `max_prompt_len` is not exported.
+        capacities: the stream's capacities (`stream.capacities_for`); `max_prompt_len` is not exported.
 
     Raises:
         ValueError: a strategy of another runtime.

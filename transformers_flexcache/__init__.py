@@ -8,7 +8,8 @@ Package map (details in docs/design.md):
 - `request.py`: how a generate call asks for the flexible cache; `generation.py`: what a call needs, and taking a
   cache for it; `ownership.py`: the pool of caches a model holds, leases, `release`.
 - `padding.py`: the shape policies (what the fixed-shape modes add around `generate`); `compilation.py`: the
-  compiled path (`compile_config_for_cpu()`, `warmup()`).
+  compiled path (`compile_config_for_cpu()`, `warmup()`); `quantization.py`: `quantize(model, "int8")`, CTranslate2's
+  int8 scheme for a compiled step on CPU.
 - `registry.py`, `modeling.py`, `auto_classes.py`, `saved.py`: registration, override models, saved folders.
 - `export/`: torch.export and ExecuTorch programs; `bench/`: the benchmark (nothing else imports it).
 """
@@ -26,6 +27,7 @@ _LAZY = {
     "convert": "registry",
     "compile_config_for_cpu": "compilation",
     "warmup": "compilation",
+    "quantize": "quantization",
 }
 
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
     "compile_config_for_cpu",
     "convert",
     "held_nbytes",
+    "quantize",
     "register",
     "release",
     "unregister",

@@ -32,7 +32,15 @@ from .models import (
     BenchModel,
     bench_model_for_checkpoint,
 )
-from .strategies import BASELINE, COMPILED_MODELS, STRATEGIES, STRATEGIES_BY_NAME, Strategy, default_strategy_names
+from .strategies import (
+    BASELINE,
+    COMPILED_MODELS,
+    STRATEGIES,
+    STRATEGIES_BY_NAME,
+    Strategy,
+    default_strategy_names,
+    with_references,
+)
 from .stream import FULL_DEFAULTS, QUICK_DEFAULTS
 
 
@@ -142,9 +150,7 @@ def _resolve(args, parser: argparse.ArgumentParser) -> tuple[list[BenchModel], l
     unknown = [name for name in names if name not in STRATEGIES_BY_NAME]
     if unknown:
         parser.error(f"unknown strategies {unknown}; choose from {list(STRATEGIES_BY_NAME)}")
-    if BASELINE not in names:
-        names.insert(0, BASELINE)
-    strategies = [STRATEGIES_BY_NAME[name] for name in names]
+    strategies = with_references([STRATEGIES_BY_NAME[name] for name in names])
 
     if args.model is not None:
         if not os.path.isdir(args.model):

@@ -9,6 +9,11 @@ Design decisions:
   strategy reports the graphs it compiled and the time it spent compiling, apart from its warm time.
 - The bucketed strategy compiles every bucket before the stream (`warmup()`), as a server would (its buckets:
   `stream.bench_buckets`).
+- int8 strategies run a copy of the model quantized with `transformers_flexcache.quantize(model, "int8")`
+  (CTranslate2's scheme: per-row int8 weights, per-token dynamic int8 activations, int8 GEMMs). Random weights make
+  int8 tokens differ from fp32's, so their reference is `dynamic-int8`, the same int8 model run eagerly with
+  DynamicCache (`reference`), whose own agreement with fp32 DynamicCache is reported. They run by default for the
+  models CTranslate2 also runs in int8 (T5, Marian), beside its `ctranslate2-int8` row.
 - ExecuTorch strategies (`executorch.py`) run exported programs on the same stream, interleaved like the others:
   ours (`executorch`, `executorch-8da4w`) and transformers' exporter (`executorch-transformers`). They run only
   when named (exporting and lowering a real-sized model takes minutes), for every model that export supports (a
@@ -28,6 +33,7 @@ from .executorch import OURS as EXECUTORCH
 from .executorch import TRANSFORMERS as TRANSFORMERS_EXPORTER
 
 BASELINE = "dynamic"
+DYNAMIC_INT8 = "dynamic-int8"  # the reference of the int8 strategies
 
 
 @dataclass(frozen=True)
@@ -47,9 +53,12 @@ class Strategy:
         default_models: the models it runs for by default (None: all); named in `--strategies`, it runs for all.
         runtime: `"torch"` (the model's `generate`), `"executorch"` (our `.pte`) or `"executorch-transformers"`
             (transformers' exported programs); see `executorch.py`.
-        quantize: torchao weight quantization before export (`quantize_model_` modes; ExecuTorch only).
-        exact: whether its tokens must equal DynamicCache's (a difference fails the run); otherwise their
+        quantize: weight quantization: for the torch runtime `"int8"` runs a copy of the model quantized with
+            `transformers_flexcache.quantize`; for ExecuTorch, `quantize_model_`'s modes before export.
+        exact: whether its tokens must equal its reference's (a difference fails the run); otherwise their
             agreement is reported.
+        reference: the strategy whose tokens it is compared with: DynamicCache's (`dynamic`), or for int8
+            strategies the eager int8 model's (`dynamic-int8`).
     """
 
     name: str
@@ -64,6 +73,7 @@ class Strategy:
     runtime: str = "torch"
     quantize: str = "none"
     exact: bool = True
+    reference: str = BASELINE
 
     @property
     def flexible(self) -> bool:
@@ -101,6 +111,7 @@ class Strategy:
 PADDED = {"shape_policy": "padded"}
 BUCKETED = {"shape_policy": "bucketed"}
 COMPILED_MODELS = ("t5", "llama")  # the models the compiled strategies run for by default
+INT8_MODELS = ("t5", "marian")  # the models the int8 strategies run for by default (CTranslate2's int8 row too)
 STRATEGIES = (
     Strategy(BASELINE),
     Strategy("static", cache_implementation="static"),
@@ -135,6 +146,27 @@ STRATEGIES = (
         warm_up_every_shape=True,
         default_models=COMPILED_MODELS,
     ),
+    # int8 (transformers_flexcache.quantize): the eager reference, then the compiled flexible modes.
+    Strategy(DYNAMIC_INT8, quantize="int8", exact=False, default_models=INT8_MODELS),
+    Strategy(
+        "flexible_static-padded-compiled-int8",
+        cache_implementation=FLEXIBLE_STATIC,
+        cache_config=PADDED,
+        compile=True,
+        quantize="int8",
+        reference=DYNAMIC_INT8,
+        default_models=INT8_MODELS,
+    ),
+    Strategy(
+        "flexible_static-bucketed-compiled-int8",
+        cache_implementation=FLEXIBLE_STATIC,
+        cache_config=BUCKETED,
+        compile=True,
+        warm_up_every_shape=True,
+        quantize="int8",
+        reference=DYNAMIC_INT8,
+        default_models=INT8_MODELS,
+    ),
     # Exported programs in ExecuTorch's runtime, XNNPACK: only when named.
     Strategy("executorch", runtime=EXECUTORCH, default=False),
     Strategy("executorch-8da4w", runtime=EXECUTORCH, quantize="8da4w", exact=False, default=False),
@@ -154,6 +186,17 @@ def strategies_for(model_name: str, strategies: list[Strategy], *, named: bool, 
         if (strategy.default_models is None or model_name in strategy.default_models)
         and not (quick and strategy.compile)
     ]
+
+
+def with_references(strategies: list[Strategy]) -> list[Strategy]:
+    """`strategies` with the reference of each added before it when it is missing (DynamicCache first)."""
+    chosen = []
+    for strategy in [STRATEGIES_BY_NAME[BASELINE], *strategies]:
+        reference = STRATEGIES_BY_NAME[strategy.reference]
+        for needed in (reference, strategy):
+            if needed not in chosen:
+                chosen.append(needed)
+    return chosen
 
 
 def default_strategy_names() -> str:

@@ -25,20 +25,32 @@ from .measure import (
     compile_seconds,
     compiled_graph_count,
     returned_cache,
+    top_margins,
 )
 from .strategies import Strategy
+from .stream import NoEndOfSequence
 
 
 class TorchRunner:
     """Runs one strategy on one model and measures its calls."""
 
-    def __init__(self, strategy: Strategy, model, capacities: dict[str, int], *, buckets: dict | None = None):
+    def __init__(
+        self,
+        strategy: Strategy,
+        model,
+        capacities: dict[str, int],
+        *,
+        buckets: dict | None = None,
+        keep_margins: bool = False,
+    ):
         self.name = strategy.name
         self.strategy = strategy
         self.model = model
         self.device = model.device
         self.generate_kwargs = strategy.generate_kwargs(capacities, device=self.device, buckets=buckets)
         self.tracker = CacheStorageTracker()
+        self.keep_margins = keep_margins  # a reference of other strategies: keep each step's top-1/top-2 margin
+        self.no_eos = NoEndOfSequence(model.generation_config.eos_token_id)
 
     def _on_device(self, inputs: dict) -> dict:
         return {
@@ -67,11 +79,11 @@ class TorchRunner:
                 out = self.model.generate(
                     **inputs,
                     max_new_tokens=new_tokens,
-                    min_new_tokens=new_tokens,
                     do_sample=False,
                     num_beams=1,
                     return_dict_in_generate=True,
-                    logits_processor=LogitsProcessorList([timer]),
+                    output_scores=self.keep_margins,
+                    logits_processor=LogitsProcessorList([self.no_eos, timer]),
                     **self.generate_kwargs,
                 )
             _synchronize(self.device)
@@ -100,6 +112,7 @@ class TorchRunner:
             compiled_graphs=compiled_graph_count() - graphs_before,
             compile_s=compile_seconds() - compile_before,
             batch_size=tokens.shape[0],
+            margins=top_margins(out.scores) if self.keep_margins else None,
         )
 
     def warm_up_every_shape(self, make_inputs, new_tokens: int) -> CallRecord:

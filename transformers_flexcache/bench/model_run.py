@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib.util
 import sys
 from dataclasses import dataclass, field
 
@@ -160,8 +161,13 @@ def run_model(model: BenchModel, args, strategies: list[Strategy], log) -> Model
     )
 
     int8 = [s for s in strategies if s.quantize == "int8" and s.runtime == "torch"]
+    no_int8 = None
     if int8 and args.device != "cpu":
-        result.notes.append(f"no int8 rows on --device {args.device}: quantize(model, 'int8') is for the CPU")
+        no_int8 = f"no int8 rows on --device {args.device}: quantize(model, 'int8') is for the CPU"
+    elif int8 and importlib.util.find_spec("torchao") is None:
+        no_int8 = "no int8 rows: torchao is not installed (pip install transformers-flexcache[int8])"
+    if no_int8:
+        result.notes.append(no_int8)
         strategies, int8 = [s for s in strategies if s not in int8], []
     peers = []
     if model.ctranslate2_peer and not args.no_ctranslate2:

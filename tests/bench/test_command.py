@@ -110,6 +110,8 @@ def test_quick_bench_tables_fit_in_100_columns(quick_run):
 def test_long_notes_and_failures_wrap_at_100_columns_and_keep_every_word(quick_run):
     _, report, _ = quick_run
     model = dict(report["models"]["t5"])
+    # only the rows without notes of their own (int8 rows have some: their scores against the reference's)
+    model["strategies"] = {name: f for name, f in model["strategies"].items() if not f["int8"] and f["outputs_equal"]}
     words = [f"word{i}" for i in range(60)]
     model["notes"] = [" ".join(words)]
     model["failures"] = [" ".join(reversed(words))]
@@ -283,5 +285,7 @@ def test_named_compiled_int8_rows_run_in_a_quick_run_against_the_eager_int8_mode
     assert status == 0
     assert set(strategies) == {BASELINE, DYNAMIC_INT8, "flexible_static-padded-compiled-int8", *PEERS}
     compiled = strategies["flexible_static-padded-compiled-int8"]
-    assert compiled["reference"] == DYNAMIC_INT8 and compiled["exact"] and compiled["outputs_equal"]
+    assert compiled["reference"] == DYNAMIC_INT8 and not compiled["exact"]  # agreement reported, not required
+    assert compiled["token_agreement"] == 1.0  # on the tiny model: the eager int8 tokens
+    assert compiled["max_score_diff"] is not None and compiled["max_score_diff_vs_fp32"] is not None
     assert compiled["compiled_graphs"] >= 1

@@ -114,3 +114,16 @@ def test_step_by_batch_is_the_median_step_of_the_calls_at_each_batch_size():
         record(1.0, 0.0, batch_size=1, steps=(0.02,)),
     ]
     assert summarize(calls)["step_ms_by_batch"] == pytest.approx({1: 20.0, 8: 40.0})
+
+
+def test_scores_are_compared_only_at_steps_where_both_runs_had_the_same_prefix():
+    from transformers_flexcache.bench.measure import same_prefix_score_diff
+
+    def run(tokens, scores):
+        return CallRecord(wall_s=1.0, num_tokens=4, tokens=torch.tensor(tokens), scores=torch.tensor(scores))
+
+    reference = run([[1, 2, 3]], [[[0.0, 1.0], [0.0, 1.0], [0.0, 1.0]]])
+    # step 0 and 1 scored the same prefix (the tokens part after step 1); step 2 did not and is left out
+    other = run([[1, 5, 3]], [[[0.0, 1.5], [0.25, 1.0], [9.0, 9.0]]])
+    assert same_prefix_score_diff(other, reference) == pytest.approx(0.5)
+    assert same_prefix_score_diff(run([[1, 2, 3]], [[[0.0, 1.0]] * 3]), reference) == 0.0

@@ -64,6 +64,7 @@ class CallRecord:
     compile_s: float | None = None  # time spent compiling during the call
     batch_size: int | None = None  # rows of the call (default: those of `tokens`)
     margins: torch.Tensor | None = None  # [B, N] top-1 minus top-2 score per step (reference strategies only)
+    scores: torch.Tensor | None = None  # [B, N, V] each step's scores; dropped once compared (`ModelResult.add_call`)
 
     def __post_init__(self):
         if self.batch_size is None and self.tokens.dim() == 2:
@@ -165,6 +166,23 @@ def top_margins(scores: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """
     top2 = torch.stack([step.float().topk(2, dim=-1).values for step in scores], dim=1)  # [B, N, 2]
     return (top2[..., 0] - top2[..., 1]).cpu()
+
+
+def same_prefix_score_diff(record: CallRecord, reference: CallRecord) -> float | None:
+    """The largest |score difference| between two runs of one call at the steps where both had generated the same
+    tokens so far (so both scored the same input): how far their logits lie apart, before any divergence.
+
+    None when either kept no scores or their shapes differ."""
+    if record.scores is None or reference.scores is None or record.scores.shape != reference.scores.shape:
+        return None
+    # tokens: [B, N]; scores: [B, N, V]
+    equal = record.tokens == reference.tokens
+    same_prefix = torch.cat([torch.ones_like(equal[:, :1]), equal[:, :-1].cummin(dim=1).values], dim=1)  # [B, N]
+    finite = torch.isfinite(reference.scores) & torch.isfinite(record.scores)
+    compared = finite & same_prefix[..., None]
+    if not compared.any():
+        return None
+    return (record.scores - reference.scores).abs()[compared].max().item()
 
 
 def tensor_nbytes(tensor: torch.Tensor) -> int:

@@ -29,7 +29,7 @@ import torch
 
 from ..quantization import quantize
 from .executorch import OURS as EXECUTORCH
-from .measure import CallRecord, DecodeStepBytes, ratios, summarize
+from .measure import CallRecord, DecodeStepBytes, ratios, same_prefix_score_diff, summarize
 from .models import BenchModel, build_models
 from .strategies import BASELINE, DYNAMIC_INT8, Strategy, strategies_for
 from .stream import FULL_DEFAULTS, QUICK_DEFAULTS, Call, bench_buckets, capacities_for, make_stream
@@ -51,6 +51,10 @@ class ModelResult:
     warm_ups: dict[str, CallRecord] = field(default_factory=dict)
     mismatches: dict[str, list[int]] = field(default_factory=dict)  # strategy -> calls whose tokens differ
     differences: dict[str, list[dict]] = field(default_factory=dict)  # strategy -> differing rows, with margins
+    # strategy -> per call, the largest |score difference| at steps with the same prefix, against its reference and
+    # against fp32 DynamicCache (`same_prefix_score_diff`)
+    score_diffs: dict[str, list[float]] = field(default_factory=dict)
+    fp32_score_diffs: dict[str, list[float]] = field(default_factory=dict)
     agreement_only: set[str] = field(default_factory=set)  # strategies not held to their reference's tokens
     references: dict[str, str] = field(default_factory=dict)  # strategy -> the strategy it is compared with
     int8: set[str] = field(default_factory=set)  # strategies whose weights are int8 (their floor is int8's)
@@ -71,10 +75,16 @@ class ModelResult:
             self.records.setdefault(name, []).append(record)
         for name, record in records.items():
             reference = records.get(self.reference_of(name))
-            if name == BASELINE or reference is None or torch.equal(record.tokens, reference.tokens):
+            if name == BASELINE or reference is None:
                 continue
-            self.mismatches.setdefault(name, []).append(index)
-            self.differences.setdefault(name, []).extend(_differing_rows(index, record, reference))
+            _append(self.score_diffs, name, same_prefix_score_diff(record, reference))
+            if self.reference_of(name) != BASELINE and BASELINE in records:
+                _append(self.fp32_score_diffs, name, same_prefix_score_diff(record, records[BASELINE]))
+            if not torch.equal(record.tokens, reference.tokens):
+                self.mismatches.setdefault(name, []).append(index)
+                self.differences.setdefault(name, []).extend(_differing_rows(index, record, reference))
+        for record in records.values():
+            record.scores = None  # compared: [B, N, V] per call and strategy is too much to keep
 
     @property
     def failing_mismatches(self) -> dict[str, list[int]]:
@@ -114,6 +124,9 @@ class ModelResult:
                 value = values[f"largest_batch_{figure}_ms"]
                 values[f"largest_batch_{figure}_vs_floor"] = value / floor if value and floor else None
             values["reference"] = None if name == BASELINE else self.reference_of(name)
+            values["max_score_diff"] = max(self.score_diffs.get(name) or [None], key=lambda v: -1 if v is None else v)
+            fp32 = self.fp32_score_diffs.get(name) or self.score_diffs.get(name) if name in self.int8 else None
+            values["max_score_diff_vs_fp32"] = max(fp32 or [None], key=lambda v: -1 if v is None else v)
             values["int8"] = name in self.int8
             values["outputs_equal"] = not self.mismatches.get(name)
             values["differences"] = self.differences.get(name, [])
@@ -389,6 +402,11 @@ def logits_error(reference: torch.Tensor, other: torch.Tensor) -> dict:
         "max_abs_logit": reference.abs().max().item(),
         "top1_agreement": (other.argmax(-1) == reference.argmax(-1)).float().mean().item(),
     }
+
+
+def _append(lists: dict[str, list], name: str, value) -> None:
+    if value is not None:
+        lists.setdefault(name, []).append(value)
 
 
 def _differing_rows(index: int, record: CallRecord, reference: CallRecord) -> list[dict]:

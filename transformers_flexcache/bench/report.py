@@ -422,6 +422,22 @@ def _logits_lines(model: dict) -> list[str]:
     return lines
 
 
+def _score_notes(model: dict) -> list[str]:
+    """For int8 rows, and rows that should equal their reference but did not: the largest score difference at steps
+    where both runs had the same prefix (the same input), against the reference and against fp32."""
+    notes = []
+    for name, f in model["strategies"].items():
+        if f.get("max_score_diff") is None or not (f.get("int8") or (f["exact"] and not f["outputs_equal"])):
+            continue
+        note = (
+            f"{name}: scores at steps with the same prefix differ from {f['reference']}'s by {f['max_score_diff']:.3g}"
+        )
+        if f.get("max_score_diff_vs_fp32") is not None and f["reference"] != "dynamic":
+            note += f", from fp32 DynamicCache's by {f['max_score_diff_vs_fp32']:.3g}"
+        notes.append(note + " at most")
+    return notes
+
+
 def _difference_notes(model: dict) -> list[str]:
     """Per strategy whose tokens differ from its reference's: how many rows, and how near a tie each was."""
     notes = []
@@ -524,7 +540,7 @@ def format_model(name: str, model: dict, *, bandwidth: float | None = None) -> s
         verdict = _verdict(model)
         if verdict:
             lines += _wrapped("", verdict.splitlines())
-    lines += _wrapped("note: ", model["notes"] + _difference_notes(model))
+    lines += _wrapped("note: ", model["notes"] + _score_notes(model) + _difference_notes(model))
     lines += _wrapped("FAILED: ", model["failures"])
     return "\n".join(lines)
 

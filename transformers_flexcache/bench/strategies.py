@@ -12,7 +12,13 @@ Design decisions:
 - int8 strategies run a copy of the model quantized with `transformers_flexcache.quantize(model, "int8")`
   (CTranslate2's scheme: per-row int8 weights, per-token dynamic int8 activations, int8 GEMMs). Random weights make
   int8 tokens differ from fp32's, so their reference is `dynamic-int8`, the same int8 model run eagerly with
-  DynamicCache (`reference`), whose own agreement with fp32 DynamicCache is reported. They run by default for the
+  DynamicCache (`reference`), whose own agreement with fp32 DynamicCache is reported. Their agreement is reported,
+  not required: on real-sized models any float difference (inductor's fused kernels against eager ones) moves some
+  activation across an int8 rounding boundary, and the difference grows from layer to layer to the size of int8's
+  own error (measured on the t5-small-sized T5, one teacher-forced forward: compiled int8 against eager int8, max
+  |logit diff| 2.3; eager int8 against fp32, 2.7; aot_eager, which runs eager's kernels, 0.0). The bench reports,
+  per int8 row, its scores against the reference's and against fp32's where the prefix is the same, and the
+  reference's margin where tokens part; the tiny-model tests require equal tokens. They run by default for the
   models CTranslate2 also runs in int8 (T5, Marian), beside its `ctranslate2-int8` row.
 - ExecuTorch strategies (`executorch.py`) run exported programs on the same stream, interleaved like the others:
   ours (`executorch`, `executorch-8da4w`) and transformers' exporter (`executorch-transformers`). They run only
@@ -154,6 +160,7 @@ STRATEGIES = (
         cache_config=PADDED,
         compile=True,
         quantize="int8",
+        exact=False,
         reference=DYNAMIC_INT8,
         default_models=INT8_MODELS,
     ),
@@ -164,6 +171,7 @@ STRATEGIES = (
         compile=True,
         warm_up_every_shape=True,
         quantize="int8",
+        exact=False,
         reference=DYNAMIC_INT8,
         default_models=INT8_MODELS,
     ),

@@ -50,6 +50,7 @@ class TorchRunner:
         self.generate_kwargs = strategy.generate_kwargs(capacities, device=self.device, buckets=buckets)
         self.tracker = CacheStorageTracker()
         self.keep_margins = keep_margins  # a reference of other strategies: keep each step's top-1/top-2 margin
+        self.keep_scores = strategy.runtime == "torch"  # compared with the reference's where the prefix is the same
         self.no_eos = NoEndOfSequence(model.generation_config.eos_token_id)
 
     def _on_device(self, inputs: dict) -> dict:
@@ -82,7 +83,7 @@ class TorchRunner:
                     do_sample=False,
                     num_beams=1,
                     return_dict_in_generate=True,
-                    output_scores=self.keep_margins,
+                    output_scores=self.keep_scores or self.keep_margins,
                     logits_processor=LogitsProcessorList([self.no_eos, timer]),
                     **self.generate_kwargs,
                 )
@@ -113,6 +114,7 @@ class TorchRunner:
             compile_s=compile_seconds() - compile_before,
             batch_size=tokens.shape[0],
             margins=top_margins(out.scores) if self.keep_margins else None,
+            scores=torch.stack(out.scores, dim=1).float().cpu() if self.keep_scores else None,
         )
 
     def warm_up_every_shape(self, make_inputs, new_tokens: int) -> CallRecord:

@@ -141,12 +141,12 @@ def test_quick_bench_reports_a_measured_bandwidth_floor_for_every_model(quick_ru
         assert model["strategies"][BASELINE]["largest_batch_step_vs_floor"] > 0
 
 
-def test_compiled_strategies_run_by_default_for_t5_and_llama_int8_for_t5_and_marian_and_not_in_a_quick_run():
+def test_compiled_strategies_run_by_default_for_every_model_int8_for_t5_and_marian_and_not_in_a_quick_run():
     defaults = [s for s in STRATEGIES if s.default]
     fp32 = {"static-compiled", "flexible_static-padded-compiled", "flexible_static-bucketed-compiled"}
     int8 = {"flexible_static-padded-compiled-int8", "flexible_static-bucketed-compiled-int8"}
     assert {s.name for s in defaults if s.compile} == fp32 | int8
-    for model_name, expected in [("t5", fp32 | int8), ("llama", fp32), ("marian", int8), ("bart", set())]:
+    for model_name, expected in [("t5", fp32 | int8), ("llama", fp32), ("marian", fp32 | int8), ("whisper", fp32)]:
         chosen = strategies_for(model_name, defaults, named=False, quick=False)
         assert {s.name for s in chosen if s.compile} == expected, model_name
     assert not any(s.compile for s in strategies_for("t5", defaults, named=False, quick=True))

@@ -127,3 +127,10 @@ def test_scores_are_compared_only_at_steps_where_both_runs_had_the_same_prefix()
     other = run([[1, 5, 3]], [[[0.0, 1.5], [0.25, 1.0], [9.0, 9.0]]])
     assert same_prefix_score_diff(other, reference) == pytest.approx(0.5)
     assert same_prefix_score_diff(run([[1, 2, 3]], [[[0.0, 1.0]] * 3]), reference) == 0.0
+
+
+def test_bench_buckets_leave_out_an_encoder_bucket_that_no_call_of_the_stream_fits():
+    # Whisper's encoder length is always its capacity (1500): a half bucket would be one more graph, never used.
+    capacities = {"max_batch_size": 2, "max_cache_len": 13, "max_encoder_len": 1500}
+    buckets = bench_buckets(capacities, encoder_decoder=True, new_tokens=12, min_encoder_len=1500)
+    assert buckets == {"max_batch_size": [1], "max_encoder_len": [1500]}

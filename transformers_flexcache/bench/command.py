@@ -34,7 +34,8 @@ from .models import (
 )
 from .strategies import (
     BASELINE,
-    COMPILED_MODELS,
+    DYNAMIC_INT8,
+    INT8_MODELS,
     STRATEGIES,
     STRATEGIES_BY_NAME,
     Strategy,
@@ -47,7 +48,8 @@ from .stream import FULL_DEFAULTS, QUICK_DEFAULTS
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `bench` subcommand's options."""
     default_strategies = default_strategy_names()
-    compiled = ",".join(s.name for s in STRATEGIES if s.default and s.default_models)
+    compiled = ",".join(s.name for s in STRATEGIES if s.default and s.compile and s.quantize == "none")
+    int8 = ",".join(s.name for s in STRATEGIES if s.default and s.quantize == "int8")
     executorch = ",".join(s.name for s in STRATEGIES if s.runtime != "torch")
     parser.add_argument(
         "--models",
@@ -59,8 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--strategies",
         default=None,
         help=f"comma-separated strategies, of {','.join(STRATEGIES_BY_NAME)} (default: {default_strategies}; "
-        f"{compiled} only for {','.join(COMPILED_MODELS)}, and not with --quick; named ones run for every model); "
-        f"{BASELINE} always runs, as the reference. {executorch} run only when named: exported programs in "
+        f"{compiled} not with --quick; {int8} (quantize(model, 'int8'), torchao) only for "
+        f"{','.join(INT8_MODELS)}, the compiled ones not with --quick; named ones run for every model); {BASELINE} "
+        f"always runs, as the reference ({DYNAMIC_INT8} for int8 rows, with CTranslate2's int8 row). {executorch} "
+        "run only when named: exported programs in "
         "ExecuTorch's runtime (XNNPACK, CPU, float32), for every model that export supports: ours in fp32 (tokens "
         "must equal DynamicCache's), ours with torchao 8da4w weights and transformers' own exporter (exported at "
         "batch 1 and the largest batch, other batches padded; exports counted), whose token agreement is reported, "

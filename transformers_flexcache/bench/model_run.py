@@ -170,7 +170,10 @@ def run_model(model: BenchModel, args, strategies: list[Strategy], log) -> Model
     result.new_tokens = args.new_tokens
     result.capacities = capacities_for(config, result.stream, args.new_tokens)
     result.buckets = bench_buckets(
-        result.capacities, encoder_decoder=config.is_encoder_decoder, new_tokens=args.new_tokens
+        result.capacities,
+        encoder_decoder=config.is_encoder_decoder,
+        new_tokens=args.new_tokens,
+        min_encoder_len=min(call.encoder_len for call in result.stream) if config.is_encoder_decoder else None,
     )
 
     int8 = [s for s in strategies if s.quantize == "int8" and s.runtime == "torch"]

@@ -5,8 +5,9 @@ Design decisions:
   compiles; adding a mode is one entry. Compiled strategies use `compile_config_for_cpu()` on CPU; upstream's static
   cache with dynamic shapes and without freezing (with `dynamic=False` it would compile one graph per batch and
   length of the stream, past dynamo's recompile limit, and frozen weights do not survive dynamic shapes). They run
-  by default for T5 and Llama only (`default_models`): compiling on CPU takes tens of seconds per graph. Each
-  strategy reports the graphs it compiled and the time it spent compiling, apart from its warm time.
+  by default for every model of the default run (`default_models`; not with `--quick`): compiling on CPU takes tens
+  of seconds per graph. Each strategy reports the graphs it compiled and the time it spent compiling, apart from
+  its warm time.
 - The bucketed strategy compiles every bucket before the stream (`warmup()`), as a server would (its buckets:
   `stream.bench_buckets`).
 - int8 strategies run a copy of the model quantized with `transformers_flexcache.quantize(model, "int8")`
@@ -116,7 +117,8 @@ class Strategy:
 
 PADDED = {"shape_policy": "padded"}
 BUCKETED = {"shape_policy": "bucketed"}
-COMPILED_MODELS = ("t5", "llama")  # the models the compiled strategies run for by default
+# The models the compiled fp32 strategies run for by default: every model of the default run.
+COMPILED_MODELS = ("t5", "bart", "marian", "whisper", "llama")
 INT8_MODELS = ("t5", "marian")  # the models the int8 strategies run for by default (CTranslate2's int8 row too)
 STRATEGIES = (
     Strategy(BASELINE),

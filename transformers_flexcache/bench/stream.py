@@ -77,17 +77,23 @@ def make_stream(*, num_calls: int, max_batch_size: int, min_len: int, max_len: i
     return [Call(batch, length) for batch, length in zip(batches, lengths, strict=True)]
 
 
-def bench_buckets(capacities: dict[str, int], *, encoder_decoder: bool, new_tokens: int) -> dict[str, list[int]]:
+def bench_buckets(
+    capacities: dict[str, int], *, encoder_decoder: bool, new_tokens: int, min_encoder_len: int | None = None
+) -> dict[str, list[int]]:
     """The bucketed strategy's buckets, then each capacity: half the capacity of rows; half the encoder length
-    (encoder-decoder models); for decoder-only models, prompts at a quarter, a half and three quarters of the
-    capacity, and the decoder length that a prompt of half the capacity reaches (prompt + new tokens - 1).
+    (encoder-decoder models whose stream has encoder lengths that short: not Whisper's, always 1500); for
+    decoder-only models, prompts at a quarter, a half and three quarters of the capacity, and the decoder length that
+    a prompt of half the capacity reaches (prompt + new tokens - 1).
 
-    Generate compiles one decode graph per rows and decoder (or encoder) length bucket: 4 graphs per model. Prompt
-    buckets add none (the prefill runs eagerly), they only shorten the prefill of short prompts: on the ~100M Llama
-    at 2 threads the stream took 0.97x DynamicCache's time with these three, 1.04x with the half alone (first token
-    183 ms against 236 ms)."""
+    Generate compiles one decode graph per rows and decoder (or encoder) length bucket: 4 graphs per model (2 for
+    Whisper). Prompt buckets add none (the prefill runs eagerly), they only shorten the prefill of short prompts: on
+    the ~100M Llama at 2 threads the stream took 0.97x DynamicCache's time with these three, 1.04x with the half
+    alone (first token 183 ms against 236 ms)."""
     if encoder_decoder:
-        return {name: [(capacities[name] + 1) // 2] for name in ("max_batch_size", "max_encoder_len")}
+        half = (capacities["max_encoder_len"] + 1) // 2
+        used = min_encoder_len is None or min_encoder_len <= half
+        encoder = [half] if used else [capacities["max_encoder_len"]]  # the capacity alone: no smaller bucket
+        return {"max_batch_size": [(capacities["max_batch_size"] + 1) // 2], "max_encoder_len": encoder}
     prompt = capacities["max_prompt_len"]
     half = (prompt + 1) // 2
     return {

@@ -586,7 +586,9 @@ def format_footer(report: dict) -> str:
     ]
     if report["settings"].get("quick"):
         lines.append("quick run: tiny models, timings are not meaningful.")
-    int8 = any(f.get("int8") for model in report["models"].values() for f in model["strategies"].values())
+    int8 = any(
+        f.get("int8") and f["exact"] for model in report["models"].values() for f in model["strategies"].values()
+    )
     reference = "DynamicCache's tokens" + (" (int8 rows: the eager int8 model's)" if int8 else "")
     if report["outputs_equal"]:
         held = "exact strategies" if report["agreement_only"] else "every strategy"

@@ -408,3 +408,15 @@ def test_padded_grow_keeps_the_written_content():
 def test_unknown_shape_policy_is_refused_with_the_choices():
     with pytest.raises(ValueError, match=r"shape_policy='fixed' is not one of \('exact', 'padded', 'bucketed'\)"):
         _cache(shape_policy="fixed")
+
+
+@pytest.mark.parametrize("shape_policy", ["padded", "bucketed"])
+def test_fixed_shape_storage_on_the_cpu_is_not_a_static_address_that_a_frozen_graph_would_bind(shape_policy):
+    # Under freezing, dynamo makes a static-address tensor a graph attribute without an identity guard: a second cache
+    # of the same shapes would run on the first one's storage. CUDA graphs need the mark; the CPU has none.
+    config = LLAMA.build_config()
+    cache = FlexibleStaticCache(config=config, max_batch_size=2, max_cache_len=8, shape_policy=shape_policy)
+    keys = torch.zeros(2, config.num_key_value_heads, 3, config.head_dim)
+    cache.update(keys, keys, 0)
+    for storage in cache.layers[0].storages():
+        assert not hasattr(storage, "_dynamo_static_input_type")

@@ -13,8 +13,9 @@ from transformers import CompileConfig
 
 from tests.helpers import assert_same_generation, generate_both
 from tests.model_cases import LLAMA
-from transformers_flexcache import compile_config_for_cpu
+from transformers_flexcache import compile_config_for_cpu, linear_kernels
 from transformers_flexcache.compilation import compile_settings
+from transformers_flexcache.linear_kernels import OneDNNLinears
 
 
 @pytest.fixture(autouse=True)
@@ -36,11 +37,49 @@ def recording_backend(seen: list):
 
 
 def test_compile_config_for_cpu_freezes_weights_without_dynamic_shapes_and_compiles_on_cpu():
-    config = compile_config_for_cpu()
+    config = compile_config_for_cpu(linear_kernels="mkl")
     assert config.backend == "inductor" and config.dynamic is False and config.fullgraph is True
     assert config.options == {"freezing": True} and config.mode is None
     assert config._compile_all_devices is True
-    assert compile_config_for_cpu(cpp_wrapper=True).options == {"freezing": True, "cpp_wrapper": True}
+    options = compile_config_for_cpu(linear_kernels="mkl", cpp_wrapper=True).options
+    assert options == {"freezing": True, "cpp_wrapper": True}
+
+
+def test_onednn_linear_kernels_are_an_inductor_post_grad_pass_and_configs_with_it_compare_equal():
+    config = compile_config_for_cpu(linear_kernels="onednn")
+    assert config.options == {"freezing": True, "post_grad_custom_post_pass": OneDNNLinears()}
+    # upstream's generate keeps its compiled call while the config compares equal
+    assert compile_config_for_cpu(linear_kernels="onednn") == config
+    assert OneDNNLinears().uuid() == OneDNNLinears().uuid()
+
+
+@pytest.mark.parametrize(
+    ("vendor", "expected"), [("GenuineIntel", "mkl"), ("AuthenticAMD", "onednn"), (None, "onednn")]
+)
+def test_auto_linear_kernels_are_mkl_on_intel_cpus_only_as_ctranslate2_chooses(monkeypatch, vendor, expected):
+    monkeypatch.setattr(linear_kernels, "cpu_vendor", lambda: vendor)
+    assert linear_kernels.resolve_linear_kernels("auto") == expected
+    assert ("post_grad_custom_post_pass" in compile_config_for_cpu().options) == (expected == "onednn")
+
+
+def test_unknown_linear_kernels_are_refused_with_the_choices():
+    with pytest.raises(ValueError, match=r"linear_kernels='blas' is not one of \('auto', 'onednn', 'mkl'\)"):
+        compile_config_for_cpu(linear_kernels="blas")
+
+
+def test_onednn_pass_runs_the_frozen_linears_on_onednn_with_the_eager_outputs():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8, bias=False)).eval()
+    inputs = torch.randn(3, 16)
+    config = compile_config_for_cpu(linear_kernels="onednn")
+    with torch.no_grad(), compile_settings(config):
+        compiled = torch.compile(model, backend="inductor", dynamic=False, options=config.options)
+        actual = compiled(inputs)
+        with torch.profiler.profile() as profile:
+            compiled(inputs)
+    ops = {event.key for event in profile.key_averages()}
+    assert "mkldnn::_linear_pointwise" in ops and "mkl::_mkl_linear" not in ops
+    torch.testing.assert_close(actual, model(inputs))
 
 
 def test_compile_settings_put_freezing_in_force_for_the_context_only():
@@ -118,3 +157,28 @@ def test_frozen_inductor_bucketed_stream_after_warmup_gives_dynamic_cache_tokens
             )
             assert_same_generation(expected, actual, atol=1e-4)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.slow
+def test_a_frozen_compiled_graph_serves_the_cache_allocated_after_a_release_with_dynamic_cache_tokens():
+    # Before: the graph held the released storage as a constant (a segmentation fault on the next call).
+    from transformers_flexcache import release
+
+    upstream, flex = LLAMA.build("sdpa")
+    cache_config = {"shape_policy": "padded", "max_batch_size": 2, "max_cache_len": 12, "max_prompt_len": 6}
+    generator = torch.Generator().manual_seed(0)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for _ in range(2):
+        inputs = LLAMA.make_inputs(2, 5, generator)
+        expected, actual = generate_both(
+            upstream,
+            flex,
+            inputs,
+            cache_config=cache_config,
+            max_new_tokens=4,
+            do_sample=False,
+            compile_config=compile_config_for_cpu(),
+        )
+        assert_same_generation(expected, actual, atol=1e-4)
+        release(flex)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1  # the second cache reused the graph

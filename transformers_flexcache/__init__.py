@@ -9,10 +9,12 @@ Package map, in the order modules import each other (details in docs/design.md):
 - generate: `request.py` (how a call asks for the flexible cache), `ownership.py` (the pool of caches a model holds,
   its capacity question, leases, `release`), `padding.py` (the shape policies), `plan.py` (`CallPlan`: one generate
   call, one object), `generation.py` (the generate door and upstream's hooks), `compilation.py` (the compiled path:
-  `compile_config_for_cpu()`, `warmup()`).
+  `compile_config_for_cpu()`, `warmup()`), `quantization.py` (`quantize(model, "int8")`, CTranslate2's int8
+  scheme for a compiled step on CPU).
 - models: `modeling.py`, `generic.py` (override classes), `catalogue.py` (which ones exist), `registry.py`,
   `auto_classes.py`, `saved.py` (registration and saved folders); `model_overrides/` beside this package.
 - `export/`: torch.export and ExecuTorch programs; `bench/`: the benchmark (nothing but the command line imports it).
+- `serving/`: the in-flight engine; `server/`: its OpenAI-compatible HTTP server.
 """
 
 from .cache import CacheConfig, FlexibleCrossAttentionCache, FlexibleEncoderDecoderCache, FlexibleStaticCache
@@ -28,6 +30,7 @@ _LAZY = {
     "convert": "registry",
     "compile_config_for_cpu": "compilation",
     "warmup": "compilation",
+    "quantize": "quantization",
 }
 
 __all__ = [
@@ -39,6 +42,7 @@ __all__ = [
     "compile_config_for_cpu",
     "convert",
     "held_nbytes",
+    "quantize",
     "register",
     "release",
     "unregister",

@@ -8,7 +8,9 @@ Design decisions:
   become constants of the graph, so linear layers run prepacked oneDNN/MKL kernels and their layout conversions are
   folded away) and `dynamic=False` (a graph per shape, which the fixed-shape policies bound; a dynamic graph would
   give up the static sizes that make the kernels fast). `fullgraph=True`: a graph break would be a silent slow path.
-  `_compile_all_devices`: upstream's generate compiles on accelerators only unless told.
+  `_compile_all_devices`: upstream's generate compiles on accelerators only unless told. The frozen fp32 linears run
+  oneDNN's kernels where MKL has no fast path (CPUs other than Intel's; `linear_kernels.py`): on an AMD EPYC a step
+  at batch 4-8 took a third of the time of MKL's linears.
 - Freezing needs gradients off while compiling, which upstream's `generate` guarantees (`torch.no_grad`), and it must
   be on while dynamo *traces*: dynamo decides then whether parameters become graph constants, reading inductor's
   global `freezing` (torch==2.13.0: `torch._dynamo.utils.is_parameter_freezing`), and `torch.compile(options=...)`
@@ -30,6 +32,7 @@ from transformers import CompileConfig
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
 from .cache import CacheConfig
+from .linear_kernels import OneDNNLinears, resolve_linear_kernels
 from .padding import POLICIES, compile_settings
 from .request import FLEXIBLE_STATIC
 
@@ -45,15 +48,21 @@ __all__ = [
 ]  # `compile_settings` lives with its user, padding.py
 
 
-def compile_config_for_cpu(*, fullgraph: bool = True, **options) -> CompileConfig:
+def compile_config_for_cpu(*, fullgraph: bool = True, linear_kernels: str = "auto", **options) -> CompileConfig:
     """A `CompileConfig` that compiles generate's decode step for speed on CPU.
 
     Args:
         fullgraph (`bool`, *optional*, defaults to `True`): fail on a graph break instead of running a slow path.
+        linear_kernels (`str`, *optional*, defaults to `"auto"`): the kernels of the frozen fp32 linear layers:
+            `"mkl"` (inductor's own choice), `"onednn"`, or `"auto"`: MKL on Intel CPUs, oneDNN on the others (as
+            CTranslate2 chooses). oneDNN is set as an inductor post-grad pass (`OneDNNLinears`).
         **options: inductor settings added to (or replacing) `CPU_INDUCTOR_OPTIONS`, e.g. `cpp_wrapper=True`.
 
     Returns:
         `CompileConfig`: inductor, `dynamic=False`, the options above; compiling on CPU enabled.
+
+    Raises:
+        ValueError: `linear_kernels` is not one of `"auto"`, `"onednn"`, `"mkl"`.
 
     Example:
 
@@ -66,12 +75,15 @@ def compile_config_for_cpu(*, fullgraph: bool = True, **options) -> CompileConfi
     ... )
     ```
     """
+    kernel_options = {}
+    if resolve_linear_kernels(linear_kernels) == "onednn":
+        kernel_options["post_grad_custom_post_pass"] = OneDNNLinears()
     config = CompileConfig(
         fullgraph=fullgraph,
         dynamic=False,
         backend="inductor",
         mode=None,  # torch.compile takes a mode or options, not both
-        options={**CPU_INDUCTOR_OPTIONS, **options},
+        options={**CPU_INDUCTOR_OPTIONS, **kernel_options, **options},
     )
     config._compile_all_devices = True  # upstream's generate compiles on CPU only when told to
     return config

@@ -20,19 +20,13 @@ import torch
 from tests.export.conftest import needs_executorch
 from transformers_flexcache import zoo
 from transformers_flexcache.__main__ import main
-from transformers_flexcache.bench.command import (
-    BASELINE,
-    STRATEGIES,
-    STRATEGIES_BY_NAME,
-    Call,
-    ModelResult,
-    _executorch_runners,
-    strategies_for,
-)
 from transformers_flexcache.bench.executorch import Unavailable, check_runnable, reference_processors
 from transformers_flexcache.bench.measure import FIGURES, CallRecord
+from transformers_flexcache.bench.model_run import ModelResult, _executorch_runners
 from transformers_flexcache.bench.models import BENCH_MODELS, build_models
 from transformers_flexcache.bench.report import format_footer, format_model, to_json
+from transformers_flexcache.bench.strategies import BASELINE, STRATEGIES, STRATEGIES_BY_NAME, strategies_for
+from transformers_flexcache.bench.stream import Call
 
 EXECUTORCH_STRATEGIES = ("executorch", "executorch-8da4w", "executorch-transformers")
 
@@ -114,6 +108,7 @@ def test_a_quantized_strategy_reports_its_token_agreement_and_does_not_fail_the_
         {
             "model": "llama",
             "strategy": "executorch-8da4w",
+            "reference": "dynamic",
             "token_agreement": pytest.approx(8 / 9),
             "calls_equal": 1,
             "calls": 2,
@@ -121,7 +116,7 @@ def test_a_quantized_strategy_reports_its_token_agreement_and_does_not_fail_the_
     ]
     footer = format_footer(report)
     assert "OUTPUTS DIFFER" not in footer
-    assert "llama executorch-8da4w: 89% of tokens, 1/2 calls equal" in footer
+    assert "llama executorch-8da4w against dynamic: 89% of tokens, 1/2 calls equal" in footer
     assert "Outputs: exact strategies generated exactly DynamicCache's tokens on every call" in footer
     assert max(len(line) for line in footer.splitlines()) <= 100
     table = format_model("llama", report["models"]["llama"])
@@ -133,7 +128,7 @@ def test_an_exact_executorch_strategy_whose_tokens_differ_fails_the_run():
     figures = report["models"]["llama"]["strategies"]["executorch"]
     assert report["outputs_equal"] is False
     assert (figures["exact"], figures["outputs_equal"]) == (True, False)
-    assert "OUTPUTS DIFFER from DynamicCache's: llama executorch (calls [0])" in format_footer(report)
+    assert "OUTPUTS DIFFER from DynamicCache's tokens: llama executorch (calls [0])" in format_footer(report)
 
 
 def test_executorch_table_shows_export_and_lowering_apart_and_the_exports_needed():

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tests.model_cases import LLAMA
-from transformers_flexcache.bench.command import bench_buckets
 from transformers_flexcache.bench.measure import CallRecord, DecodeStepBytes, summarize
+from transformers_flexcache.bench.stream import bench_buckets
 
 
 def test_decode_step_bytes_are_every_weight_the_step_reads_with_embeddings_by_rows_and_the_live_cache():
@@ -80,3 +80,57 @@ def test_bench_buckets_of_a_decoder_only_model_make_four_decode_shapes_whatever_
     assert {shape.length for shape in shapes} == {12, 24, 36, 48}
     # generate compiles one decode graph per rows and decoder length: the prompt buckets add none
     assert {(shape.batch_size, shape.cache_len) for shape in shapes} == {(4, 35), (4, 59), (8, 35), (8, 59)}
+
+
+def test_an_int8_decode_step_counts_int8_weights_by_their_int8_data_and_scales():
+    pytest.importorskip("torchao")
+    from transformers_flexcache import quantize
+
+    upstream, _ = LLAMA.build("sdpa")
+    inputs = LLAMA.make_inputs(2, 5, torch.Generator().manual_seed(0))
+    with DecodeStepBytes(upstream, step=3) as fp32:
+        upstream.generate(**inputs, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    linears = [module for module in upstream.modules() if isinstance(module, torch.nn.Linear)]
+    float_bytes = sum(4 * module.weight.numel() for module in linears)
+    # int8 data, and per row an fp32 scale and an int8 zero point (torchao keeps one even for symmetric weights)
+    int8_bytes = sum(module.weight.numel() + 5 * module.out_features for module in linears)
+    quantize(upstream, "int8")
+    with DecodeStepBytes(upstream, step=3) as int8:
+        upstream.generate(**inputs, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    assert fp32.weight_bytes - int8.weight_bytes == float_bytes - int8_bytes
+
+
+def test_top_margins_are_each_steps_best_score_minus_the_second_best():
+    from transformers_flexcache.bench.measure import top_margins
+
+    scores = (torch.tensor([[1.0, 3.0, 2.5], [0.0, 0.0, -1.0]]), torch.tensor([[5.0, -float("inf"), 1.0], [2, 1, 9]]))
+    assert torch.equal(top_margins(scores), torch.tensor([[0.5, 4.0], [0.0, 7.0]]))
+
+
+def test_step_by_batch_is_the_median_step_of_the_calls_at_each_batch_size():
+    calls = [
+        record(1.0, 0.0, batch_size=8, steps=(0.03, 0.05, 0.04)),
+        record(1.0, 0.0, batch_size=1, steps=(0.01, 0.03)),
+        record(1.0, 0.0, batch_size=1, steps=(0.02,)),
+    ]
+    assert summarize(calls)["step_ms_by_batch"] == pytest.approx({1: 20.0, 8: 40.0})
+
+
+def test_scores_are_compared_only_at_steps_where_both_runs_had_the_same_prefix():
+    from transformers_flexcache.bench.measure import same_prefix_score_diff
+
+    def run(tokens, scores):
+        return CallRecord(wall_s=1.0, num_tokens=4, tokens=torch.tensor(tokens), scores=torch.tensor(scores))
+
+    reference = run([[1, 2, 3]], [[[0.0, 1.0], [0.0, 1.0], [0.0, 1.0]]])
+    # step 0 and 1 scored the same prefix (the tokens part after step 1); step 2 did not and is left out
+    other = run([[1, 5, 3]], [[[0.0, 1.5], [0.25, 1.0], [9.0, 9.0]]])
+    assert same_prefix_score_diff(other, reference) == pytest.approx(0.5)
+    assert same_prefix_score_diff(run([[1, 2, 3]], [[[0.0, 1.0]] * 3]), reference) == 0.0
+
+
+def test_bench_buckets_leave_out_an_encoder_bucket_that_no_call_of_the_stream_fits():
+    # Whisper's encoder length is always its capacity (1500): a half bucket would be one more graph, never used.
+    capacities = {"max_batch_size": 2, "max_cache_len": 13, "max_encoder_len": 1500}
+    buckets = bench_buckets(capacities, encoder_decoder=True, new_tokens=12, min_encoder_len=1500)
+    assert buckets == {"max_batch_size": [1], "max_encoder_len": [1500]}

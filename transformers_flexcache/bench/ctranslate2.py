@@ -12,7 +12,11 @@ Design decisions:
   Rows are passed unpadded (CTranslate2 batches variable lengths itself), which is what the attention mask tells
   transformers.
 - Same decoding as the torch strategies: greedy (`beam_size=1`), exactly `new_tokens` tokens
-  (`min_decoding_length = max_decoding_length`), fp32, the same number of intra-op threads.
+  (`min_decoding_length = max_decoding_length`), the same number of intra-op threads, and the compute type of the
+  run: `float32`, or `bfloat16` with `--dtype bfloat16`. Beside it, `ctranslate2-int8` (`compute_type="int8"`, or
+  `"int8_bfloat16"`) when the run has int8 strategies: CTranslate2 quantizes the converted float weights when it loads
+  them (int8 weights per row, activations quantized per token at run time), the scheme `quantize(model, "int8")`
+  follows.
 - CTranslate2 grows its caches internally and exposes no allocation figures: those are None in its row. Step
   times come from its per-token callback, which is called after each decoding step.
 """
@@ -34,6 +38,14 @@ from transformers import PreTrainedTokenizerFast
 from .measure import CallRecord, PeakRss
 
 NAME = "ctranslate2"
+INT8_NAME = "ctranslate2-int8"
+# CTranslate2's compute type for each dtype of the run, in float and in int8.
+COMPUTE_TYPES = {"float32": ("float32", "int8"), "bfloat16": ("bfloat16", "int8_bfloat16")}
+
+
+def supported_compute_types() -> set[str]:
+    """The compute types CTranslate2 runs on this CPU (its build and the CPU's instructions)."""
+    return set(ctranslate2.get_supported_compute_types("cpu"))
 
 
 class _InMemoryConverter(TransformersConverter):
@@ -65,16 +77,29 @@ def write_identity_tokenizer(config, path: str) -> None:
 class CTranslate2Runner:
     """Runs the stream of a T5 or Marian model through a CTranslate2 translator converted from the same weights."""
 
-    name = NAME
-
-    def __init__(self, translator: ctranslate2.Translator, vocabulary: list[str], workdir):
+    def __init__(
+        self,
+        translator: ctranslate2.Translator,
+        vocabulary: list[str],
+        workdir,
+        *,
+        name: str = NAME,
+        compute_type: str = "float32",
+    ):
+        self.name = name
+        self.compute_type = compute_type
+        self.int8 = compute_type.startswith("int8")
+        self.exact = compute_type == "float32"  # held to DynamicCache's tokens (fp32 runs)
         self.translator = translator
         self.vocabulary = vocabulary
         self.index = {token: i for i, token in enumerate(vocabulary)}
         self._workdir = workdir  # kept until the runner goes away
 
     @classmethod
-    def from_model(cls, model, *, threads: int) -> CTranslate2Runner:
+    def from_model(
+        cls, model, *, threads: int, compute_types: dict[str, str] | None = None
+    ) -> list[CTranslate2Runner]:
+        """Runners of `model` converted once (float32 weights), one per `{name: compute_type}` (default: fp32)."""
         workdir = tempfile.TemporaryDirectory(prefix="flexcache-ct2-")
         source = os.path.join(workdir.name, "transformers")
         target = os.path.join(workdir.name, "ctranslate2")
@@ -83,10 +108,13 @@ class CTranslate2Runner:
         _InMemoryConverter(model, source).convert(target, quantization="float32")
         with open(os.path.join(target, "shared_vocabulary.json")) as f:
             vocabulary = json.load(f)
-        translator = ctranslate2.Translator(
-            target, device="cpu", compute_type="float32", intra_threads=threads, inter_threads=1
-        )
-        return cls(translator, vocabulary, workdir)
+        runners = []
+        for name, compute_type in (compute_types or {NAME: "float32"}).items():
+            translator = ctranslate2.Translator(
+                target, device="cpu", compute_type=compute_type, intra_threads=threads, inter_threads=1
+            )
+            runners.append(cls(translator, vocabulary, workdir, name=name, compute_type=compute_type))
+        return runners
 
     def run(self, inputs: dict, new_tokens: int) -> CallRecord:
         # inputs: input_ids, attention_mask [B, L] -> tokens [B, new_tokens]

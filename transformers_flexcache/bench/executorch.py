@@ -11,9 +11,10 @@ Design decisions:
   another batch runs on the larger program with its rows padded by copies of row 0 (`upstream_generate`). The row
   reports the exports it took and the exports that serving every batch of the stream exactly would take.
 - The same decoding as the torch strategies: greedy, exactly `new_tokens` tokens. The logits processors that
-  upstream's `generate` applies to the bench's calls (`min_new_tokens`: EOS suppressed; BART's forced EOS; Whisper's
-  begin-suppressed tokens) are upstream's own classes, in upstream's order, applied to the programs' logits. A
-  generation config that asks for any other processor is refused before lowering.
+  upstream's `generate` applies to the bench's calls (BART's forced EOS; Whisper's begin-suppressed tokens) are
+  upstream's own classes, in upstream's order, applied to the programs' logits, and EOS is suppressed as for the
+  torch strategies (`stream.NoEndOfSequence`). A generation config that asks for any other processor is refused
+  before lowering.
 - Per-step latency is measured as for the torch strategies: the same `StepTimer`, a logits processor stamped at
   each step (first token: the time to the first stamp). Export and lowering are timed apart (`lowering`), never in
   the warm time.
@@ -38,12 +39,12 @@ from transformers import GenerationConfig
 from transformers.generation.logits_process import (
     ForcedEOSTokenLogitsProcessor,
     LogitsProcessorList,
-    MinNewTokensLengthLogitsProcessor,
     SuppressTokensAtBeginLogitsProcessor,
     SuppressTokensLogitsProcessor,
 )
 
 from .measure import CallRecord, PeakRss, StepTimer
+from .stream import NoEndOfSequence
 
 OURS = "executorch"  # runtime of our .pte
 TRANSFORMERS = "executorch-transformers"  # runtime of transformers' exported programs
@@ -81,9 +82,10 @@ def unsupported_generation_settings(generation_config: GenerationConfig) -> list
 
 
 def reference_processors(generation_config: GenerationConfig, *, prefix_len: int, new_tokens: int):
-    """The logits processors of upstream's `generate(min_new_tokens=new_tokens, max_new_tokens=new_tokens)` for
-    `generation_config`, in upstream's order (`GenerationMixin._get_logits_processor`; Whisper's `generate` puts its
-    begin-suppress processor in the same place).
+    """Processors that give the scores of upstream's `generate(min_new_tokens=new_tokens, max_new_tokens=new_tokens)`
+    for `generation_config`: upstream's own, in upstream's order (`GenerationMixin._get_logits_processor`; Whisper's
+    `generate` puts its begin-suppress processor in the same place), with `min_new_tokens`' EOS suppression done as
+    the torch strategies do it (`NoEndOfSequence`, last).
 
     Args:
         generation_config: the model's.
@@ -91,16 +93,15 @@ def reference_processors(generation_config: GenerationConfig, *, prefix_len: int
         new_tokens: tokens each call decodes.
     """
     config = generation_config
-    eos = config.eos_token_id
     processors = LogitsProcessorList()
-    if eos is not None:
-        processors.append(MinNewTokensLengthLogitsProcessor(prefix_len, new_tokens, eos))
     if config.forced_eos_token_id is not None:
         processors.append(ForcedEOSTokenLogitsProcessor(prefix_len + new_tokens, config.forced_eos_token_id))
     if config.suppress_tokens is not None:
         processors.append(SuppressTokensLogitsProcessor(config.suppress_tokens))
     if config.begin_suppress_tokens is not None:
         processors.append(SuppressTokensAtBeginLogitsProcessor(config.begin_suppress_tokens, begin_index=prefix_len))
+    # min_new_tokens' EOS suppression, as the torch strategies apply it (last, as generate appends custom processors)
+    processors.append(NoEndOfSequence(config.eos_token_id))
     return processors
 
 
@@ -206,7 +207,7 @@ class OursRunner(_ProgramRunner):
     def _decode(self, inputs: dict, new_tokens: int, processors: LogitsProcessorList) -> torch.Tensor:
         from ..export.generate import generate
 
-        # No eos_token_id: min_new_tokens suppresses EOS until the last token, so no row finishes early.
+        # No eos_token_id: EOS is suppressed until the last token (NoEndOfSequence), so no row finishes early.
         return generate(
             self.programs,
             **inputs,
@@ -298,10 +299,10 @@ def build_runner(strategy, *, upstream, flex, capacities: dict):
     `check_runnable` first.
 
     Args:
-        strategy: a `command.Strategy` whose `runtime` is `OURS` or `TRANSFORMERS`.
+        strategy: a `strategies.Strategy` whose `runtime` is `OURS` or `TRANSFORMERS`.
         upstream: the upstream model (fp32, CPU); transformers' exporter exports copies of it.
         flex: the override model with the same weights (ours export it; a copy is quantized).
-        capacities: the stream's capacities (`command.capacities_for`); `max_prompt_len` is not exported.
+        capacities: the stream's capacities (`stream.capacities_for`); `max_prompt_len` is not exported.
 
     Raises:
         ValueError: a strategy of another runtime.

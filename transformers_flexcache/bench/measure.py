@@ -23,10 +23,10 @@ Design decisions:
   strategy that recompiles in the middle of a stream (upstream's static cache at a new batch) is charged its
   compilations in the compile column, not in the warm one.
 - The bandwidth floor of a decode step: the bytes the step must read (the parameters of every module that runs in
-  it, found with forward pre-hooks on one real decode step, embedding tables counted by the rows looked up; plus the
-  cache tensors it attends over) divided by the machine's read bandwidth, measured here by summing a buffer larger
-  than the last-level cache with the benchmark's threads (best of several). No implementation can step faster on
-  this machine than by reading its weights once.
+  it, found with forward pre-hooks on one real decode step, embedding tables counted by the rows looked up, int8
+  weights by their int8 data and scales; plus the cache tensors it attends over) divided by the machine's read
+  bandwidth, measured here by summing a buffer larger than the last-level cache with the benchmark's threads (best
+  of several). No implementation can step faster on this machine than by reading its weights once.
 """
 
 from __future__ import annotations
@@ -63,6 +63,8 @@ class CallRecord:
     compiled_graphs: int | None = None
     compile_s: float | None = None  # time spent compiling during the call
     batch_size: int | None = None  # rows of the call (default: those of `tokens`)
+    margins: torch.Tensor | None = None  # [B, N] top-1 minus top-2 score per step (reference strategies only)
+    scores: torch.Tensor | None = None  # [B, N, V] each step's scores; dropped once compared (`ModelResult.add_call`)
 
     def __post_init__(self):
         if self.batch_size is None and self.tokens.dim() == 2:
@@ -151,6 +153,45 @@ class StepTimer(LogitsProcessor):
         if hook_s and len(hook_s) == len(self.stamps):
             gaps = [gap - hook for gap, hook in zip(gaps, hook_s[1:], strict=True)]
         return gaps
+
+
+def top_margins(scores: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Per row and step, how far the chosen (greedy) token's score lies above the next one's: how near a tie was.
+
+    Args:
+        scores: generate's `scores`, N steps of [B, V] (after the logits processors).
+
+    Returns:
+        `torch.Tensor`: [B, N], float32, on the CPU.
+    """
+    top2 = torch.stack([step.float().topk(2, dim=-1).values for step in scores], dim=1)  # [B, N, 2]
+    return (top2[..., 0] - top2[..., 1]).cpu()
+
+
+def same_prefix_score_diff(record: CallRecord, reference: CallRecord) -> float | None:
+    """The largest |score difference| between two runs of one call at the steps where both had generated the same
+    tokens so far (so both scored the same input): how far their logits lie apart, before any divergence.
+
+    None when either kept no scores or their shapes differ."""
+    if record.scores is None or reference.scores is None or record.scores.shape != reference.scores.shape:
+        return None
+    # tokens: [B, N]; scores: [B, N, V]
+    equal = record.tokens == reference.tokens
+    same_prefix = torch.cat([torch.ones_like(equal[:, :1]), equal[:, :-1].cummin(dim=1).values], dim=1)  # [B, N]
+    finite = torch.isfinite(reference.scores) & torch.isfinite(record.scores)
+    compared = finite & same_prefix[..., None]
+    if not compared.any():
+        return None
+    return (record.scores - reference.scores).abs()[compared].max().item()
+
+
+def tensor_nbytes(tensor: torch.Tensor) -> int:
+    """Bytes that `tensor` holds: a quantized tensor subclass (torchao's int8 weights) counts the tensors it is made
+    of (int8 data and scales), not its float facade."""
+    if hasattr(tensor, "__tensor_flatten__") and type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+        names, _ = tensor.__tensor_flatten__()
+        return sum(tensor_nbytes(getattr(tensor, name)) for name in names)
+    return tensor.numel() * tensor.element_size()
 
 
 def cache_storages(cache) -> list[torch.UntypedStorage]:
@@ -317,13 +358,15 @@ class DecodeStepBytes:
         if self.forwards != self.step:
             return
         for parameter in module.parameters(recurse=False):
-            if parameter.data_ptr() in self._seen:
+            # tied weights share storage; a quantized subclass has no storage of its own: counted by identity
+            key = parameter.data_ptr() if type(parameter) in (torch.Tensor, torch.nn.Parameter) else id(parameter)
+            if key in self._seen:
                 continue
-            self._seen.add(parameter.data_ptr())
+            self._seen.add(key)
             if isinstance(module, torch.nn.Embedding) and args and isinstance(args[0], torch.Tensor):
                 self.weight_bytes += args[0].numel() * parameter.shape[-1] * parameter.element_size()
             else:
-                self.weight_bytes += parameter.numel() * parameter.element_size()
+                self.weight_bytes += tensor_nbytes(parameter)
 
 
 def summarize(records: list[CallRecord], *, warm_up: CallRecord | None = None) -> dict:
@@ -353,6 +396,7 @@ def summarize(records: list[CallRecord], *, warm_up: CallRecord | None = None) -
 
     compile_s = total("compile_s")
     stream_compile_s = sum(r.compile_s or 0.0 for r in records)
+    batches = sorted({r.batch_size for r in records if r.batch_size})
     return {
         "wall_s": wall_s,
         "compile_s": compile_s,
@@ -368,7 +412,18 @@ def summarize(records: list[CallRecord], *, warm_up: CallRecord | None = None) -
         "peak_cache_bytes": peak("peak_cache_bytes"),
         "peak_rss_growth_bytes": peak("peak_rss_growth_bytes"),
         "compiled_graphs": total("compiled_graphs"),
+        # Median decode step (and forward) of the calls at each batch size of the stream: the small-batch figures.
+        "step_ms_by_batch": _median_ms_by_batch(records, batches, "step_s"),
+        "forward_ms_by_batch": _median_ms_by_batch(records, batches, "forward_s"),
     }
+
+
+def _median_ms_by_batch(records: list[CallRecord], batches: list[int], name: str) -> dict[int, float | None]:
+    by_batch = {}
+    for batch in batches:
+        values = [v for r in records if r.batch_size == batch for v in getattr(r, name)]
+        by_batch[batch] = 1e3 * statistics.median(values) if values else None
+    return by_batch
 
 
 FIGURES = (

@@ -45,7 +45,39 @@ def machine_info(threads: int) -> dict:
         info["ctranslate2"] = ctranslate2.__version__
     except ImportError:
         info["ctranslate2"] = None
+    info["isa"] = isa_info()
     return info
+
+
+# The CPU flags that decide which kernels can run: AVX-512, VNNI (int8 dot products), bf16 and AMX.
+ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+
+
+def isa_info() -> dict:
+    """The CPU's vendor and instruction sets that matter here, torch's view of them, the kernels the compiled fp32
+    linears use (`compile_config_for_cpu`) and CTranslate2's compute types on this CPU."""
+    from ..linear_kernels import cpu_vendor, resolve_linear_kernels
+
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
+    except OSError:
+        pass
+    try:
+        from .ctranslate2 import supported_compute_types
+
+        compute_types = sorted(supported_compute_types())
+    except ImportError:
+        compute_types = None
+    return {
+        "vendor": cpu_vendor(),
+        "flags": [flag for flag in ISA_FLAGS if flag in flags],
+        "torch_capability": torch.backends.cpu.get_cpu_capability(),
+        "bf16_native": bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+        "linear_kernels": resolve_linear_kernels("auto"),
+        "ctranslate2_compute_types": compute_types,
+    }
 
 
 def _stream_json(result) -> list[dict]:
@@ -71,6 +103,9 @@ def _model_json(result) -> dict:
         "buckets": result.buckets,
         "decode_step_bytes": result.decode_step_bytes,
         "floor_step_ms": result.floor_step_ms,
+        "int8_decode_step_bytes": result.int8_decode_step_bytes,
+        "int8_floor_step_ms": result.int8_floor_step_ms,
+        "logits_error": result.logits_error,
         "new_tokens": result.new_tokens,
         "reference_distinct_tokens_per_row": _distinct_tokens_per_row(result),
         "stream": _stream_json(result),
@@ -105,6 +140,7 @@ def to_json(results, *, args, machine: dict, elapsed_s: float) -> dict:
         {
             "model": model_name,
             "strategy": name,
+            "reference": figures["reference"],
             "token_agreement": figures["token_agreement"],
             "calls_equal": figures["calls_equal"],
             "calls": len(figures["calls"]),
@@ -145,7 +181,14 @@ def to_json(results, *, args, machine: dict, elapsed_s: float) -> dict:
 # --- the tables ------------------------------------------------------------------------------------------------
 # Three tables per model, each under 100 columns: time over the stream, the decode step, cache memory.
 
-STRATEGY_WIDTH = 33  # "flexible_static-bucketed-compiled"
+STRATEGY_WIDTH = 33  # "flexible_static-bucketed-compiled": the narrowest first column
+
+
+def _name_width(model: dict) -> int:
+    return max([STRATEGY_WIDTH, *map(len, model["strategies"])])
+
+
+PEERS = ("ctranslate2", "ctranslate2-int8")  # CTranslate2's rows: compared with, not ours
 
 
 def _cell(value, fmt: str) -> str:
@@ -160,10 +203,11 @@ def _divide(a, b):
     return a / b if a is not None and b else None
 
 
-def _render(title: str, headers: list[str], rows: list[list[str]]) -> list[str]:
+def _render(title: str, headers: list[str], rows: list[list[str]], *, name_width: int = 0) -> list[str]:
+    """A table whose first column (strategy names) is at least `name_width` wide, so that a model's tables align."""
     rows = [[title, *headers], *rows]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    widths[0] = max(widths[0], STRATEGY_WIDTH)
+    widths[0] = max(widths[0], name_width)
     return [
         "  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True)))
         for row in rows
@@ -199,7 +243,7 @@ def _time_table(model: dict) -> list[str]:
                 _same(name, f),
             ]
         )
-    return _render("time (stream)", headers, rows)
+    return _render("time (stream)", headers, rows, name_width=_name_width(model))
 
 
 def _largest_batch(model: dict) -> str:
@@ -217,20 +261,63 @@ def _latency_cells(figures: dict, median: str, largest: str) -> list[str]:
     ]
 
 
+def _peer(model: dict, figures: dict) -> dict:
+    """CTranslate2's row in the same compute type as `figures`' (int8 rows: `ctranslate2-int8`), or {}."""
+    return model["strategies"].get(PEERS[1] if figures.get("int8") else PEERS[0], {})
+
+
 def _step_table(model: dict) -> list[str]:
     big = _largest_batch(model)
     headers = ["step ms", "step/dyn", f"{big} ms", f"{big}/dyn", f"{big}/ct2", f"{big}/floor"]
-    peer = model["strategies"].get("ctranslate2", {}).get("largest_batch_step_ms")
     rows = [
         [
             name,
             *_latency_cells(f, "step_latency_ms", "largest_batch_step_ms"),
-            _ratio(_divide(f["largest_batch_step_ms"], peer)),
+            _ratio(_divide(f["largest_batch_step_ms"], _peer(model, f).get("largest_batch_step_ms"))),
             _ratio(f["largest_batch_step_vs_floor"]),
         ]
         for name, f in model["strategies"].items()
     ]
-    return _render("decode step (median)", headers, rows)
+    return _render("decode step (median)", headers, rows, name_width=_name_width(model))
+
+
+def _shown_batches(model: dict) -> list[int]:
+    """The batch sizes of the per-batch tables: all of the stream's up to 8 of them, else powers of two and the
+    largest (the tables stay within 100 columns)."""
+    batches = sorted({call["batch_size"] for call in model["stream"]})
+    if len(batches) <= 8:
+        return batches
+    return [b for b in batches if b & (b - 1) == 0 or b == batches[-1]]
+
+
+def _by_batch(figures: dict, name: str, batch: int):
+    values = figures.get(name) or {}
+    return values.get(batch, values.get(str(batch)))  # int keys in memory, str keys once through JSON
+
+
+def _batch_tables(model: dict) -> list[str]:
+    """The median decode step at each batch size, and its ratio to CTranslate2's in the same compute type."""
+    batches = _shown_batches(model)
+    headers = [f"B={b}" for b in batches]
+    rows = [
+        [name, *(_cell(_by_batch(f, "step_ms_by_batch", b), "{:.1f}") for b in batches)]
+        for name, f in model["strategies"].items()
+    ]
+    lines = _render("decode step by batch (median ms)", headers, rows, name_width=_name_width(model))
+    peers = [name for name in PEERS if name in model["strategies"]]
+    if peers:
+        ratio_rows = []
+        for name, f in model["strategies"].items():
+            peer = _peer(model, f)
+            if not peer or name in PEERS:
+                continue
+            cells = [
+                _ratio(_divide(_by_batch(f, "step_ms_by_batch", b), _by_batch(peer, "step_ms_by_batch", b)))
+                for b in batches
+            ]
+            ratio_rows.append([name, *cells])
+        lines += _render("step by batch / CTranslate2 (same type)", headers, ratio_rows, name_width=_name_width(model))
+    return lines
 
 
 def _forward_table(model: dict) -> list[str]:
@@ -249,7 +336,7 @@ def _forward_table(model: dict) -> list[str]:
     ]
     if all(row[1] == "-" for row in rows):
         return []
-    return _render("model forward (median, decode steps)", headers, rows)
+    return _render("model forward (median, decode steps)", headers, rows, name_width=_name_width(model))
 
 
 def _memory_table(model: dict) -> list[str]:
@@ -267,7 +354,7 @@ def _memory_table(model: dict) -> list[str]:
                 _cell(None if f["peak_rss_growth_bytes"] is None else f["peak_rss_growth_bytes"] / MB, "{:.0f}"),
             ]
         )
-    return _render("cache memory", headers, rows)
+    return _render("cache memory", headers, rows, name_width=_name_width(model))
 
 
 def _executorch_table(model: dict) -> list[str]:
@@ -289,7 +376,7 @@ def _executorch_table(model: dict) -> list[str]:
                 _percent(f["token_agreement"]),
             ]
         )
-    return _render("executorch (export, lowering)", headers, rows) if rows else []
+    return _render("executorch (export, lowering)", headers, rows, name_width=_name_width(model)) if rows else []
 
 
 def _stream_line(model: dict) -> str:
@@ -310,26 +397,82 @@ def _floor_line(model: dict, bandwidth: float | None) -> str | None:
     if not counted or model.get("floor_step_ms") is None or not bandwidth:
         return None
     batch = max(call["batch_size"] for call in model["stream"])
-    return (
+    line = (
         f"floor: a decode step at B={batch} reads {counted['weights'] / MB:.1f} MB of weights + "
         f"{counted['cache'] / MB:.1f} MB of cache: {model['floor_step_ms']:.3g} ms at {bandwidth / 1e9:.1f} GB/s"
     )
+    int8 = model.get("int8_decode_step_bytes") or {}
+    if int8 and model.get("int8_floor_step_ms"):
+        line += (
+            f"\n  int8 floor: {int8['weights'] / MB:.1f} MB of weights + {int8['cache'] / MB:.1f} MB of cache: "
+            f"{model['int8_floor_step_ms']:.3g} ms"
+        )
+    return line
+
+
+def _logits_lines(model: dict) -> list[str]:
+    """The logits of the cast or quantized model against the fp32 model's, on one teacher-forced continuation."""
+    lines = []
+    for kind, error in (model.get("logits_error") or {}).items():
+        lines.append(
+            f"{kind} logits vs fp32: max |diff| {error['max_abs_diff']:.3g} (largest |logit| "
+            f"{error['max_abs_logit']:.3g}), mean {error['mean_abs_diff']:.2g}, top-1 equal "
+            f"{_percent(error['top1_agreement'])}"
+        )
+    return lines
+
+
+def _score_notes(model: dict) -> list[str]:
+    """For int8 rows, and rows that should equal their reference but did not: the largest score difference at steps
+    where both runs had the same prefix (the same input), against the reference and against fp32."""
+    notes = []
+    for name, f in model["strategies"].items():
+        if f.get("max_score_diff") is None or not (f.get("int8") or (f["exact"] and not f["outputs_equal"])):
+            continue
+        note = (
+            f"{name}: scores at steps with the same prefix differ from {f['reference']}'s by {f['max_score_diff']:.3g}"
+        )
+        if f.get("max_score_diff_vs_fp32") is not None and f["reference"] != "dynamic":
+            note += f", from fp32 DynamicCache's by {f['max_score_diff_vs_fp32']:.3g}"
+        notes.append(note + " at most")
+    return notes
+
+
+def _difference_notes(model: dict) -> list[str]:
+    """Per strategy whose tokens differ from its reference's: how many rows, and how near a tie each was."""
+    notes = []
+    for name, f in model["strategies"].items():
+        differences = f.get("differences") or []
+        if not differences:
+            continue
+        margins = sorted(d["reference_margin"] for d in differences if d["reference_margin"] is not None)
+        shown = ", ".join(f"{m:.3g}" for m in margins[:6]) + (", ..." if len(margins) > 6 else "")
+        notes.append(
+            f"{name}: {len(differences)} row(s) of {len(f['calls']) - f['calls_equal']} call(s) differ from "
+            f"{f['reference']}"
+            + (f"; its top-1 minus top-2 score at the first differing step: {shown}" if shown else "")
+        )
+    return notes
 
 
 def _verdict(model: dict) -> str | None:
-    """Which strategy was fastest, warm, over the stream and per decode step at the largest batch."""
-    strategies = {name: f for name, f in model["strategies"].items() if f["outputs_equal"]}
-    ours = {name: f for name, f in strategies.items() if name != "ctranslate2"}
-    if not ours or "dynamic" not in ours:
-        return None
-    stream = min(ours, key=lambda name: ours[name]["warm_wall_s"])
-    step = min(ours, key=lambda name: ours[name]["largest_batch_step_ms"] or float("inf"))
-    wall = ours[stream]["vs_dynamic"]["warm_wall_s"]
-    step_ratio = ours[step]["vs_dynamic"]["largest_batch_step_ms"]
-    return (
-        f"fastest warm stream: {stream} ({wall:.2f}x dynamic)\n"
-        f"  fastest step at the largest batch: {step} ({_ratio(step_ratio)} dynamic)"
-    )
+    """Which strategy was fastest, warm, over the stream and per decode step at the largest batch (in float; and in
+    int8 where int8 rows ran)."""
+    strategies = {name: f for name, f in model["strategies"].items() if f["outputs_equal"] or not f["exact"]}
+    lines = []
+    for kind, int8 in (("", False), (" (int8)", True)):
+        ours = {n: f for n, f in strategies.items() if n not in PEERS and bool(f.get("int8")) == int8}
+        if not ours or (not int8 and "dynamic" not in ours):
+            continue
+        stream = min(ours, key=lambda name: ours[name]["warm_wall_s"])
+        step = min(ours, key=lambda name: ours[name]["largest_batch_step_ms"] or float("inf"))
+        wall = ours[stream]["vs_dynamic"]["warm_wall_s"]
+        step_ratio = ours[step]["vs_dynamic"]["largest_batch_step_ms"]
+        lines.append(
+            f"fastest warm stream{kind}: {stream} ({wall:.2f}x dynamic); fastest step at the largest batch: {step} "
+            f"({_ratio(step_ratio)} dynamic)"
+        )
+    return "\n".join(lines) or None
 
 
 def format_header(machine: dict, args) -> str:
@@ -341,9 +484,25 @@ def format_header(machine: dict, args) -> str:
         f"transformers-flexcache bench: {mode}\n"
         f"{machine['cpu']}, {machine['threads']} thread(s) of {machine['cpu_count']} CPUs, "
         f"{args.device}, {args.dtype}\n"
-        f"torch {machine['torch']}, transformers {machine['transformers']}; load average {_load(machine)}"
+        + _isa_line(machine)
+        + f"torch {machine['torch']}, transformers {machine['transformers']}; load average {_load(machine)}"
         + (f"; read bandwidth {bandwidth / 1e9:.1f} GB/s" if bandwidth else "")
         + _inductor_cache_line(machine.get("inductor_cache"))
+    )
+
+
+def _isa_line(machine: dict) -> str:
+    """What the CPU runs natively (the instructions that bf16 and int8 kernels need), and which kernels ran."""
+    isa = machine.get("isa") or {}
+    if not isa:
+        return ""
+    flags = " ".join(isa.get("flags", [])) or "none of avx2/avx512/vnni/bf16/amx"
+    bf16 = "native bf16 matmuls" if isa.get("bf16_native") else "no native bf16 (emulated)"
+    ct2 = isa.get("ctranslate2_compute_types")
+    ct2 = f"; CTranslate2 compute types: {', '.join(ct2)}" if ct2 else ""
+    return (
+        f"CPU: {isa.get('vendor') or '?'}, {flags}; torch {isa.get('torch_capability')}, {bf16}\n"
+        f"fp32 linears compiled on {isa.get('linear_kernels')}{ct2}\n"
     )
 
 
@@ -373,13 +532,15 @@ def format_model(name: str, model: dict, *, bandwidth: float | None = None) -> s
         floor = _floor_line(model, bandwidth)
         if floor:
             lines.append("  " + floor)
+        lines += ["  " + line for line in _logits_lines(model)]
     if model["strategies"]:
-        for table in (_time_table, _step_table, _forward_table, _memory_table, _executorch_table):
+        tables = (_time_table, _step_table, _batch_tables, _forward_table, _memory_table, _executorch_table)
+        for table in tables:
             lines += ["  " + line for line in table(model)]
         verdict = _verdict(model)
         if verdict:
-            lines.append("  " + verdict)
-    lines += _wrapped("note: ", model["notes"])
+            lines += _wrapped("", verdict.splitlines())
+    lines += _wrapped("note: ", model["notes"] + _score_notes(model) + _difference_notes(model))
     lines += _wrapped("FAILED: ", model["failures"])
     return "\n".join(lines)
 
@@ -406,7 +567,10 @@ def format_footer(report: dict) -> str:
         "",
         "compile s: time spent compiling (warm-up and stream); wall s: the stream's wall time minus that;",
         "X/dyn: ratio to DynamicCache's (lower is better); tok/s: new tokens / wall s; step ms: median step;",
-        "B=n: calls at the largest batch; /ct2: ratio to CTranslate2's; /floor: to the bandwidth floor;",
+        "B=n: calls at the largest batch; /ct2: ratio to CTranslate2's in the same compute type (int8 rows:",
+        "ctranslate2-int8); /floor: to the bandwidth floor of the row's weights (int8 rows: int8 bytes);",
+        "same: tokens equal to the row's reference (int8 rows: dynamic-int8, the same int8 model, eager,",
+        "DynamicCache), or N%: agreement, reported, not required;",
         "fwd: the model's forward alone (the step less generate's logits processing and token choice);",
         "allocs: cache storages allocated, warm-up included; peak RSS+: rough RSS growth in a call (docs).",
     ]
@@ -422,12 +586,17 @@ def format_footer(report: dict) -> str:
     ]
     if report["settings"].get("quick"):
         lines.append("quick run: tiny models, timings are not meaningful.")
+    int8 = any(
+        f.get("int8") and f["exact"] for model in report["models"].values() for f in model["strategies"].values()
+    )
+    reference = "DynamicCache's tokens" + (" (int8 rows: the eager int8 model's)" if int8 else "")
     if report["outputs_equal"]:
         held = "exact strategies" if report["agreement_only"] else "every strategy"
-        lines.append(
-            f"Outputs: {held} generated exactly DynamicCache's tokens on every call "
+        outputs = (
+            f"Outputs: {held} generated exactly {reference} on every call "
             f"({report['num_compared_calls']} calls compared)."
         )
+        lines += _wrapped("", [outputs], indent="")
     else:
         differing = [
             f"{model_name} {name} (calls {[i for i, c in enumerate(figures['calls']) if not c['outputs_equal']]})"
@@ -435,12 +604,12 @@ def format_footer(report: dict) -> str:
             for name, figures in model["strategies"].items()
             if figures["exact"] and not figures["outputs_equal"]
         ]
-        lines.append("OUTPUTS DIFFER from DynamicCache's: " + "; ".join(differing))
+        lines += _wrapped("", [f"OUTPUTS DIFFER from {reference}: " + "; ".join(differing)], indent="")
     if report["agreement_only"]:
-        lines.append("Agreement with DynamicCache's tokens (reported, not required):")
+        lines.append("Agreement with the reference's tokens (reported, not required):")
         lines += [
-            f"  {a['model']} {a['strategy']}: {_percent(a['token_agreement'])} of tokens, {a['calls_equal']}/"
-            f"{a['calls']} calls equal"
+            f"  {a['model']} {a['strategy']} against {a['reference']}: {_percent(a['token_agreement'])} of tokens, "
+            f"{a['calls_equal']}/{a['calls']} calls equal"
             for a in report["agreement_only"]
         ]
     if report["failures"]:

@@ -26,6 +26,20 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 
+def mark_static(tensor: torch.Tensor) -> None:
+    """`torch._dynamo.mark_static_address(tensor)`, except on the CPU.
+
+    A static address is for CUDA graphs, which the CPU does not have. And under a frozen compile
+    (`compile_config_for_cpu()`, `freezing=True`) dynamo makes a marked tensor an attribute of the graph, bound to
+    that storage, without a guard on its identity (torch==2.13.0, `VariableBuilder.wrap_tensor`): another cache of
+    the same shapes (a second seat of the pool, a model copy, the cache allocated after `release()`) would then run
+    on the first one's storage, or on freed storage (a segmentation fault). Unmarked, the storage is an input of the
+    graph like any other, and every cache of the same shapes shares the graph correctly.
+    """
+    if tensor.device.type != "cpu":
+        torch._dynamo.mark_static_address(tensor)
+
+
 @dataclass(frozen=True)
 class LayerSpec:
     """What one cache layer holds, and where: everything needed to allocate it, and to tell its size before.
@@ -104,7 +118,8 @@ class FlexibleStaticLayer(CacheLayerMixin):
         return copy.copy(self)
 
     def mark_static_address(self) -> None:
-        """Tell `torch.compile` (and CUDA graphs) that the storage keeps its address across calls.
+        """Tell `torch.compile` (and CUDA graphs) that the storage keeps its address across calls (see
+        `mark_static`).
 
         Without it, a compiled step with `mode="reduce-overhead"` copies mutated inputs into its own buffers or skips
         CUDA graphs. Not allowed while dynamo traces, as for upstream's `StaticLayer`; a no-op then.
@@ -112,7 +127,7 @@ class FlexibleStaticLayer(CacheLayerMixin):
         self.static_address = True
         if not torch.compiler.is_compiling():
             for tensor in self._static_tensors():
-                torch._dynamo.mark_static_address(tensor)
+                mark_static(tensor)
 
     def _static_tensors(self) -> list[torch.Tensor]:
         return [self._key_storage, self._value_storage]

@@ -26,7 +26,7 @@ import torch
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 from transformers.configuration_utils import PreTrainedConfig
 
-from .layers import LayerSpec
+from .layers import LayerSpec, mark_static
 
 # Config attributes that size a linear-attention layer's states, named as Jamba names them.
 LINEAR_ATTENTION_CONFIG_NAMES = ("hidden_size", "mamba_expand", "mamba_d_conv", "mamba_d_state")
@@ -217,8 +217,8 @@ class FlexiblePaddedLinearAttentionLayer(FlexibleLinearAttentionLayer):
     def mark_static_address(self) -> None:
         """Mark the conv and recurrent storage as static addresses (a no-op while dynamo traces)."""
         if not torch.compiler.is_compiling():
-            torch._dynamo.mark_static_address(self._conv_storage)
-            torch._dynamo.mark_static_address(self._recurrent_storage)
+            mark_static(self._conv_storage)
+            mark_static(self._recurrent_storage)
 
     def grow(self, *, max_batch_size: int, max_cache_len: int | None = None) -> None:
         super().grow(max_batch_size=max_batch_size, max_cache_len=max_cache_len)

@@ -19,6 +19,7 @@ encoder/cross attention being its cross-attention.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 
 import torch
@@ -63,10 +64,10 @@ def execution_device(module: nn.Module, parents: dict[nn.Module, nn.Module]) -> 
         if device is not None:
             return device
         node = parents.get(node)
-    for tensor in [*module.parameters(), *module.buffers()]:
-        if tensor.device.type != "meta":
-            return tensor.device
-    return None
+    # Lazily: the first tensor that says is enough (a list of the whole model's parameters took most of the time of
+    # `layer_specs_for_model`, which runs at every generate call).
+    tensors = itertools.chain(module.parameters(), module.buffers())
+    return next((tensor.device for tensor in tensors if tensor.device.type != "meta"), None)
 
 
 def _hook_device(hook) -> torch.device | None:

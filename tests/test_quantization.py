@@ -1,0 +1,156 @@
+"""`quantize(model, "int8")`: CTranslate2's int8 scheme with torchao, refused with the reason where it cannot apply.
+
+The reference of a quantized model is the same quantized model run eagerly with upstream's DynamicCache: random
+weights make int8 tokens differ from fp32's, so fp32 is not the oracle here. The override in eager mode computes what
+upstream computes (scores within float tolerance). Compiled int8 (frozen inductor: int8 GEMMs with the scales folded
+in), and padded shapes in eager mode, sum the float parts in another order; where that moves an activation across an
+int8 rounding boundary, a score moves by about a quantization step: tokens must be equal, each step's scores within
+`INT8_RTOL` of its largest score.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from tests.helpers import assert_same_generation, generate_both
+from tests.model_cases import JAMBA, LLAMA, MARIAN, T5
+from transformers_flexcache import compile_config_for_cpu, quantize
+from transformers_flexcache.quantization import quantization_of
+
+pytest.importorskip("torchao")
+
+# int8 scores of the override and of upstream, both eager, differ only by float summation order.
+INT8_ATOL = 1e-4
+# Padded or compiled against eager int8: an activation rounded to the next int8 value moves scores by about a
+# quantization step (measured on the tiny T5, padded, eager and compiled alike: 0.183 on scores up to 18.7, 1%).
+INT8_RTOL = 0.02
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def quantized_pair(case):
+    upstream, flex = case.build("sdpa")
+    return quantize(upstream, "int8"), quantize(flex, "int8")
+
+
+def cache_config_for(case, shape_policy: str) -> dict:
+    return {
+        "shape_policy": shape_policy,
+        "max_batch_size": 4,
+        "max_cache_len": 16,
+        "max_prompt_len": 8,
+        "max_encoder_len": 10,
+    }
+
+
+@pytest.mark.parametrize("case", [T5, MARIAN, LLAMA], ids=lambda case: case.name)
+def test_every_linear_is_int8_and_embeddings_and_norms_stay_float(case):
+    upstream, _ = quantized_pair(case)
+    linears = [module for module in upstream.modules() if isinstance(module, torch.nn.Linear)]
+    assert linears and all(type(module.weight).__name__ == "Int8Tensor" for module in linears)
+    assert type(upstream.get_output_embeddings().weight).__name__ == "Int8Tensor"
+    assert type(upstream.get_input_embeddings().weight) is torch.nn.Parameter
+    assert quantization_of(upstream) == "int8"
+
+
+@pytest.mark.parametrize("case", [T5, MARIAN, LLAMA], ids=lambda case: case.name)
+def test_int8_flexible_cache_generates_the_eager_int8_dynamic_cache_tokens(case):
+    upstream, flex = quantized_pair(case)
+    generator = torch.Generator().manual_seed(0)
+    for batch_size, length in [(3, 7), (1, 4)]:
+        inputs = case.make_inputs(batch_size, length, generator)
+        expected, actual = generate_both(
+            upstream, flex, inputs, cache_config=cache_config_for(case, "exact"), max_new_tokens=5, do_sample=False
+        )
+        assert_same_generation(expected, actual, atol=INT8_ATOL)
+
+
+def _compiled_int8_stream(case, shape_policy: str):
+    upstream, flex = quantized_pair(case)
+    generator = torch.Generator().manual_seed(0)
+    for batch_size, length in [(3, 7), (1, 4), (4, 8)]:
+        inputs = case.make_inputs(batch_size, length, generator)
+        expected, actual = generate_both(
+            upstream,
+            flex,
+            inputs,
+            cache_config=cache_config_for(case, shape_policy),
+            max_new_tokens=5,
+            do_sample=False,
+            compile_config=compile_config_for_cpu(),
+        )
+        assert torch.equal(expected.sequences, actual.sequences), (expected.sequences, actual.sequences)
+        for want, got in zip(expected.scores, actual.scores, strict=True):
+            finite = torch.isfinite(want)
+            assert torch.equal(finite, torch.isfinite(got))
+            assert (want[finite] - got[finite]).abs().max() <= INT8_RTOL * want[finite].abs().max()
+
+
+def test_compiled_int8_padded_t5_generates_the_eager_int8_dynamic_cache_tokens():
+    # Frozen inductor: int8 GEMMs with folded scales (about half a minute of compiling).
+    _compiled_int8_stream(T5, "padded")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [MARIAN, LLAMA], ids=lambda case: case.name)
+@pytest.mark.parametrize("shape_policy", ["padded", "bucketed"])
+def test_compiled_int8_generates_the_eager_int8_dynamic_cache_tokens(case, shape_policy):
+    _compiled_int8_stream(case, shape_policy)
+
+
+def test_a_tied_output_layer_is_untied_so_that_the_embedding_lookup_keeps_float_rows():
+    config = T5.build_config()
+    config.tie_word_embeddings = True
+    model = T5.upstream_class(config).eval()
+    assert model.lm_head.weight is model.shared.weight
+    table = model.shared.weight.detach().clone()
+    quantize(model, "int8")
+    assert type(model.lm_head.weight).__name__ == "Int8Tensor"
+    assert torch.equal(model.shared.weight, table)
+
+
+def test_compiled_call_from_before_quantizing_is_dropped():
+    upstream, _ = LLAMA.build("sdpa")
+    upstream._compiled_call = object()  # what upstream's get_compiled_call caches: graphs with float weights frozen
+    quantize(upstream, "int8")
+    assert "_compiled_call" not in upstream.__dict__
+
+
+def _gpt2():
+    config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=16)
+    return GPT2LMHeadModel(config).eval()
+
+
+@pytest.mark.parametrize(
+    ("make_model", "mode", "message"),
+    [
+        (lambda: LLAMA.build()[0], "int4", r"mode='int4' is not one of \('int8',\)"),
+        (lambda: LLAMA.build()[0].to(torch.float16), "int8", r"torch.float16; int8 quantizes float32 or bfloat16"),
+        (lambda: LLAMA.build()[0].to("meta"), "int8", r"is for the CPU .*; the model is on meta"),
+        (lambda: torch.nn.Sequential(torch.nn.Embedding(4, 4)), "int8", r"no nn.Linear layer"),
+        (lambda: JAMBA.build()[0], "int8", r"experts\.gate_up_proj of JambaExperts, fused \[2, 64, 32\]"),
+        (_gpt2, "int8", r"c_attn\.weight of Conv1D, a transposed linear weight"),
+    ],
+    ids=["mode", "float16", "device", "no-linear", "jamba-experts", "gpt2-conv1d"],
+)
+def test_what_int8_cannot_quantize_is_refused_with_the_reason_and_left_unchanged(make_model, mode, message):
+    model = make_model()
+    before = {name: type(parameter) for name, parameter in model.named_parameters()}
+    with pytest.raises(ValueError, match=message):
+        quantize(model, mode)
+    assert {name: type(parameter) for name, parameter in model.named_parameters()} == before
+
+
+def test_a_model_quantized_already_is_refused():
+    model = quantize(LLAMA.build()[0], "int8")
+    with pytest.raises(ValueError, match="quantized already"):
+        quantize(copy.deepcopy(model), "int8")

@@ -1,0 +1,118 @@
+"""The stream of `transformers-flexcache bench`: the calls each strategy runs, and the capacities and buckets they need.
+
+Design decisions:
+- One seeded stream of calls per model, with varying batch sizes and prompt (or encoder) lengths, and a fixed
+  number of new tokens, greedy, with EOS suppressed at every step (`NoEndOfSequence`), so every call of every
+  strategy decodes exactly the same number of steps and the outputs can be compared token for token.
+- `NoEndOfSequence` does what `min_new_tokens = max_new_tokens` did, at a fraction of its cost: upstream's two
+  processors for it (`MinLengthLogitsProcessor`, `MinNewTokensLengthLogitsProcessor`) each build a vocabulary-sized
+  mask with `torch.isin` at every step, about 1 ms each per step at t5-small's 32128 tokens on one core, a fifth of
+  a compiled decode step at batch 1, which CTranslate2's own minimum length does not pay. A service does not force a
+  minimum length; the benchmark does so that every strategy decodes the same steps, and should not charge it.
+- The flexible strategies' capacities fit every call of the stream (`capacities_for`): allocated once, never grown.
+- The bucketed strategy's buckets (`bench_buckets`): half the capacity and the capacity for rows and for encoder or
+  decoder lengths, 4 graphs per model, a compile cost the default run can afford; decoder-only prompts also at a
+  quarter and three quarters of their capacity, which costs no graph (the prefill runs eagerly) and shortens the
+  prefill of short prompts.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+from transformers import LogitsProcessor
+
+# The stream's shape when the command line does not set it: `--quick`, and the default run.
+QUICK_DEFAULTS = {"calls": 6, "max_batch_size": 4, "min_length": 4, "max_length": 16, "new_tokens": 8}
+FULL_DEFAULTS = {"calls": 12, "max_batch_size": 8, "min_length": 8, "max_length": 48, "new_tokens": 12}
+
+
+class NoEndOfSequence(LogitsProcessor):
+    """EOS suppressed at every step, so that no row finishes before `max_new_tokens`: the scores and tokens of
+    `min_new_tokens = max_new_tokens`, without a vocabulary-sized `torch.isin` per step.
+
+    It runs after upstream's processors (generate appends custom ones): a row where an earlier processor left EOS the
+    only finite score (BART's forced EOS at the last position, which under `min_new_tokens` overrides the suppression
+    too) keeps it.
+
+    Args:
+        eos_token_id (`int | list[int] | None`): the model's EOS id(s); None suppresses nothing.
+    """
+
+    def __init__(self, eos_token_id):
+        ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
+        self.eos_token_id = torch.tensor(sorted(set(ids)), dtype=torch.long)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        # scores: [B, V] -> [B, V]
+        if not len(self.eos_token_id):
+            return scores
+        eos = self.eos_token_id.to(scores.device)
+        finite = torch.isfinite(scores)
+        forced = finite.sum(dim=-1) == finite[:, eos].sum(dim=-1)  # [B]: only EOS can be chosen
+        suppress = torch.zeros_like(finite)
+        suppress[:, eos] = ~forced[:, None]
+        return scores.masked_fill(suppress, float("-inf"))
+
+
+@dataclass(frozen=True)
+class Call:
+    batch_size: int
+    length: int  # prompt length (decoder-only) or input length (encoder-decoder)
+    encoder_len: int | None = None  # encoder positions (encoder-decoder), set once the model is known
+
+
+def make_stream(*, num_calls: int, max_batch_size: int, min_len: int, max_len: int, seed: int) -> list[Call]:
+    """A seeded stream of calls whose batch sizes cycle through 1..max and whose lengths spread evenly over
+    min..max, each shuffled: large and small shapes alternate, and both maxima appear when there are enough calls.
+    """
+    rng = random.Random(seed)
+    batches = [1 + i % max_batch_size for i in range(num_calls)]
+    steps = max(num_calls - 1, 1)
+    lengths = [min_len + round(i * (max_len - min_len) / steps) for i in range(num_calls)]
+    rng.shuffle(batches)
+    rng.shuffle(lengths)
+    return [Call(batch, length) for batch, length in zip(batches, lengths, strict=True)]
+
+
+def bench_buckets(
+    capacities: dict[str, int], *, encoder_decoder: bool, new_tokens: int, min_encoder_len: int | None = None
+) -> dict[str, list[int]]:
+    """The bucketed strategy's buckets, then each capacity: half the capacity of rows; half the encoder length
+    (encoder-decoder models whose stream has encoder lengths that short: not Whisper's, always 1500); for
+    decoder-only models, prompts at a quarter, a half and three quarters of the capacity, and the decoder length that
+    a prompt of half the capacity reaches (prompt + new tokens - 1).
+
+    Generate compiles one decode graph per rows and decoder (or encoder) length bucket: 4 graphs per model (2 for
+    Whisper). Prompt buckets add none (the prefill runs eagerly), they only shorten the prefill of short prompts: on
+    the ~100M Llama at 2 threads the stream took 0.97x DynamicCache's time with these three, 1.04x with the half
+    alone (first token 183 ms against 236 ms)."""
+    if encoder_decoder:
+        half = (capacities["max_encoder_len"] + 1) // 2
+        used = min_encoder_len is None or min_encoder_len <= half
+        encoder = [half] if used else [capacities["max_encoder_len"]]  # the capacity alone: no smaller bucket
+        return {"max_batch_size": [(capacities["max_batch_size"] + 1) // 2], "max_encoder_len": encoder}
+    prompt = capacities["max_prompt_len"]
+    half = (prompt + 1) // 2
+    return {
+        "max_batch_size": [(capacities["max_batch_size"] + 1) // 2],
+        "max_prompt_len": sorted({max(1, prompt // 4), half, max(1, 3 * prompt // 4)} - {prompt}),
+        "max_cache_len": [half + new_tokens - 1],
+    }
+
+
+def capacities_for(config, stream: list[Call], new_tokens: int) -> dict[str, int]:
+    """The `cache_config` capacities that fit every call of `stream`: allocated once, never grown."""
+    max_batch = max(call.batch_size for call in stream)
+    if config.is_encoder_decoder:
+        # The decoder holds its start token and the new tokens; the cross-attention cache the encoder output.
+        return {
+            "max_batch_size": max_batch,
+            "max_cache_len": new_tokens + 1,
+            "max_encoder_len": max(call.encoder_len for call in stream),
+        }
+    max_prompt = max(call.length for call in stream)
+    # max_prompt_len only shapes the padded policy's prefill (decoder-only prompts are left-padded to it).
+    return {"max_batch_size": max_batch, "max_cache_len": max_prompt + new_tokens, "max_prompt_len": max_prompt}

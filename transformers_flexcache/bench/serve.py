@@ -134,8 +134,14 @@ def summarize(model: str, strategy: Strategy, rate: float, reference: dict | Non
         num_requests=len(outcomes),
         failed=len(outcomes) - len(served),
         compile_s=strategy.compile_s,
-        notes=list(strategy.notes),
+        notes=list(strategy.notes) + _first_error(outcomes, strategy.name),
     )
+
+
+def _first_error(outcomes: list, name: str) -> list[str]:
+    """A failed request is a row of the report, not a crash: the note says why the first one failed."""
+    errors = [outcome.error for outcome in outcomes if outcome.error is not None]
+    return [f"{name}: {len(errors)} request(s) failed, the first with {errors[0]}"] if errors else []
 
 
 def _percentile(values: list[float], percent: float) -> float:
@@ -159,12 +165,14 @@ def goals(rows: list[LoadRow]) -> list[str]:
         f"({where.completed_rps:.2f} completed)" + ("" if saturated else " (did not saturate: highest load)")
     ]
     engine = by.get(("in-flight-compiled", where.offered_rps))
+    if not (where.completed_rps > 0 and engine.completed_rps > 0):
+        return [*lines, "goals: a strategy completed no request at that load (see the notes)"]
     lines.append(
         f"in-flight compiled / static batching there: throughput {engine.completed_rps / where.completed_rps:.2f}x "
         f"(goal >= 1.5x), p99 {engine.p99_s / where.p99_s:.2f}x (goal <= 0.5x)"
     )
     peer = by.get(("ctranslate2", where.offered_rps))
-    if peer is not None:
+    if peer is not None and peer.completed_rps > 0:
         lines.append(
             f"in-flight compiled / CTranslate2 there: throughput {engine.completed_rps / peer.completed_rps:.2f}x "
             f"(goal >= 1x), p99 {engine.p99_s / peer.p99_s:.2f}x (goal <= 1x)"
@@ -233,7 +241,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args, parser=None) -> int:
+    threads_before = torch.get_num_threads()
     torch.set_num_threads(args.threads)
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads_before)  # as `bench` does: a caller in the same process keeps its threads
+
+
+def _run(args) -> int:
     args.requests = args.requests or (8 if args.quick else 48)
     args.max_new_tokens = args.max_new_tokens or (8 if args.quick else 64)
     names = [name.strip() for name in args.strategies.split(",") if name.strip()]

@@ -227,7 +227,7 @@ class CTranslate2Batching(_Batcher):
     def __init__(self, model, *, threads: int, **kwargs):
         from .ctranslate2 import CTranslate2Runner
 
-        self.runner = CTranslate2Runner.from_model(model, threads=threads)
+        (self.runner,) = CTranslate2Runner.from_model(model, threads=threads)  # fp32, the torch rows' type
         self.eos_token_id = model.generation_config.eos_token_id
         super().__init__(**kwargs)
 

@@ -79,15 +79,22 @@ def _static_run(upstream, inputs: dict, case):
 @pytest.mark.parametrize(("case", "attn"), CASE_AND_ATTN)
 def test_a_padded_call_gives_the_scores_of_upstreams_own_static_cache_on_the_inputs_padded_the_same_way(case, attn):
     # Issue 21: Marian's padded scores moved 6e-5 to 7.3e-5 from DynamicCache's on an AMD EPYC. Upstream's own model,
-    # with its StaticCache on the same padded inputs, moves exactly as far: the difference is upstream's float noise at
-    # the padded shapes (rows, masked lengths), not a masking slip of ours. Measured bitwise equal for every model.
-    upstream, _, _, expected, actual, padded = _padded_call(case, attn)
+    # with its StaticCache on the same padded inputs, moves as far: the difference is upstream's float noise at the
+    # padded shapes (rows, masked lengths), not a masking slip of ours. Bitwise equal on that AMD EPYC and on an Intel
+    # Xeon (Sapphire Rapids), but CI's machine of the day differed by up to 5.2e-6 (T5; same tokens): MKL and oneDNN
+    # pick kernels and split reductions by CPU and by the tensors' alignment, so the two runs are held to the padded
+    # call's tolerance derived on the running machine, where a masking slip moves scores by 0.8 to 5 (next test).
+    upstream, flex, inputs, expected, actual, padded = _padded_call(case, attn)
     reference = _static_run(upstream, padded, case)
+    atol = padded_call_atol(
+        upstream, flex, inputs, expected, actual, max_new_tokens=4, do_sample=False, **case.generate_kwargs
+    )
     rows = actual.sequences.shape[0]
     assert torch.equal(reference.sequences[:rows, -len(actual.scores) :], actual.sequences[:, -len(actual.scores) :])
     for step, (want, got) in enumerate(zip(reference.scores, actual.scores, strict=True)):
-        assert torch.equal(want[: got.shape[0]], got), (
-            f"step {step}: scores differ by {(want[:rows] - got).abs().max()}"
+        # assert_close: the same infinities (a processor's -inf) in the same places, finite scores within atol
+        torch.testing.assert_close(
+            got, want[:rows], rtol=0, atol=atol, msg=lambda text, step=step: f"step {step}: {text}"
         )
 
 

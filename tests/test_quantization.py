@@ -154,3 +154,22 @@ def test_a_model_quantized_already_is_refused():
     model = quantize(LLAMA.build()[0], "int8")
     with pytest.raises(ValueError, match="quantized already"):
         quantize(copy.deepcopy(model), "int8")
+
+
+@pytest.mark.parametrize("case", [T5, LLAMA], ids=lambda case: case.name)
+def test_the_serving_engine_serves_an_int8_model_as_its_eager_int8_generate(case):
+    # `quantize` is the one option for the engine too: it takes the quantized model as it is.
+    from transformers_flexcache.serving import Engine
+
+    upstream, flex = quantized_pair(case)
+    generator = torch.Generator().manual_seed(4)
+    stream = [case.make_inputs(1, 4 + 2 * i, generator) for i in range(4)]
+    expected = [upstream.generate(**inputs, max_new_tokens=6, do_sample=False) for inputs in stream]
+    capacities = {"max_batch_size": 4, "max_cache_len": 16}
+    if flex.config.is_encoder_decoder:
+        capacities["max_encoder_len"] = 12
+    with Engine(flex, cache_config=capacities) as engine:
+        handles = [engine.submit(**inputs, max_new_tokens=6, do_sample=False) for inputs in stream]
+        outputs = [handle.result(timeout=120) for handle in handles]
+    for want, got in zip(expected, outputs, strict=True):
+        assert torch.equal(got, want)

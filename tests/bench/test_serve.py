@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from transformers_flexcache.__main__ import main
-from transformers_flexcache.bench.serve import COLUMNS, STRATEGIES
+from transformers_flexcache.bench.serve import COLUMNS, STRATEGIES, LoadRow, goals
 
 
 def test_the_quick_load_benchmark_prints_every_column_and_checks_its_tokens(tmp_path, capsys):
@@ -30,3 +30,27 @@ def test_the_quick_load_benchmark_prints_every_column_and_checks_its_tokens(tmp_
     assert any(line.startswith("in-flight compiled / static batching") for line in printed.splitlines())
     assert "machine:" in printed
     assert "failed" not in printed  # no strategy's request failed (a failure is a note, not a crash)
+
+
+def test_the_goals_read_the_saturating_load_and_each_strategys_capacity():
+    def row(strategy, offered, completed, p99):
+        return LoadRow(model="t5", strategy=strategy, offered_rps=offered, completed_rps=completed, p99_s=p99)
+
+    rows = [
+        row("static-batching", 2.0, 2.0, 1.0),
+        row("static-batching", 4.0, 3.0, 8.0),  # below 90% of 4: static batching saturates here
+        row("static-batching", 8.0, 3.5, 20.0),
+        row("in-flight-compiled", 2.0, 2.0, 0.5),
+        row("in-flight-compiled", 4.0, 3.9, 2.0),
+        row("in-flight-compiled", 8.0, 7.0, 4.0),
+        row("ctranslate2", 2.0, 2.0, 0.4),
+        row("ctranslate2", 4.0, 3.9, 1.0),
+        row("ctranslate2", 8.0, 5.6, 6.0),
+    ]
+    assert goals(rows) == [
+        "static batching saturates at 4.00 req/s offered (3.00 completed)",
+        "in-flight compiled / static batching there: throughput 1.30x (goal >= 1.5x), p99 0.25x (goal <= 0.5x)",
+        "in-flight compiled / CTranslate2 there: throughput 1.00x (goal >= 1x), p99 2.00x (goal <= 1x)",
+        "capacity (highest completed req/s over the loads): in-flight compiled 7.00, static batching 3.50 (2.00x), "
+        "CTranslate2 5.60 (1.25x)",
+    ]

@@ -177,6 +177,24 @@ def goals(rows: list[LoadRow]) -> list[str]:
             f"in-flight compiled / CTranslate2 there: throughput {engine.completed_rps / peer.completed_rps:.2f}x "
             f"(goal >= 1x), p99 {engine.p99_s / peer.p99_s:.2f}x (goal <= 1x)"
         )
+    # At one offered load no strategy completes more than it is offered: where static batching just saturates (90%
+    # of the offered rate) a ratio of 1.5x cannot be reached there. Each strategy's capacity, its highest completed
+    # rate over all loads, is the figure that can show it.
+    peaks = {
+        name: max((row.completed_rps for row in rows if row.strategy == name), default=0.0)
+        for name in ("static-batching", "in-flight-compiled", "ctranslate2")
+    }
+    if peaks["static-batching"] > 0:
+        line = (
+            f"capacity (highest completed req/s over the loads): in-flight compiled {peaks['in-flight-compiled']:.2f}, "
+            f"static batching {peaks['static-batching']:.2f} "
+            f"({peaks['in-flight-compiled'] / peaks['static-batching']:.2f}x)"
+        )
+        if peaks["ctranslate2"] > 0:
+            line += (
+                f", CTranslate2 {peaks['ctranslate2']:.2f} ({peaks['in-flight-compiled'] / peaks['ctranslate2']:.2f}x)"
+            )
+        lines.append(line)
     return lines
 
 

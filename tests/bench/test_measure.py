@@ -51,22 +51,22 @@ def test_largest_batch_step_is_the_median_step_of_the_calls_at_the_largest_batch
         (
             True,
             {"max_batch_size": 8, "max_cache_len": 13, "max_encoder_len": 48},
-            {"max_batch_size": [4], "max_encoder_len": [24]},
+            {"max_batch_size": [1, 4], "max_encoder_len": [24]},
         ),
         (
             False,
             {"max_batch_size": 8, "max_cache_len": 60, "max_prompt_len": 48},
-            {"max_batch_size": [4], "max_prompt_len": [12, 24, 36], "max_cache_len": [35]},
+            {"max_batch_size": [1, 4], "max_prompt_len": [12, 24, 36], "max_cache_len": [35]},
         ),
     ],
 )
-def test_bench_buckets_halve_each_capacity_and_split_decoder_only_prompts_in_quarters(
+def test_bench_buckets_take_one_row_and_halve_each_capacity_and_split_decoder_only_prompts_in_quarters(
     encoder_decoder, capacities, expected
 ):
     assert bench_buckets(capacities, encoder_decoder=encoder_decoder, new_tokens=12) == expected
 
 
-def test_bench_buckets_of_a_decoder_only_model_make_four_decode_shapes_whatever_the_prompt_buckets():
+def test_bench_buckets_of_a_decoder_only_model_make_six_decode_shapes_whatever_the_prompt_buckets():
     from transformers_flexcache.cache import CacheConfig
     from transformers_flexcache.padding import POLICIES
     from transformers_flexcache.registry import convert
@@ -79,7 +79,14 @@ def test_bench_buckets_of_a_decoder_only_model_make_four_decode_shapes_whatever_
     shapes = POLICIES["bucketed"].call_shapes(model, config, max_new_tokens=12, expand=1)
     assert {shape.length for shape in shapes} == {12, 24, 36, 48}
     # generate compiles one decode graph per rows and decoder length: the prompt buckets add none
-    assert {(shape.batch_size, shape.cache_len) for shape in shapes} == {(4, 35), (4, 59), (8, 35), (8, 59)}
+    assert {(shape.batch_size, shape.cache_len) for shape in shapes} == {
+        (1, 35),
+        (1, 59),
+        (4, 35),
+        (4, 59),
+        (8, 35),
+        (8, 59),
+    }
 
 
 def test_an_int8_decode_step_counts_int8_weights_by_their_int8_data_and_scales():

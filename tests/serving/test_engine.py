@@ -466,3 +466,30 @@ def test_warmup_refuses_more_shapes_than_dynamo_keeps():
         assert len(engine.decode_shapes()) == 4 * 6  # seats 1, 2, 4, 8 x lengths 16 ... 512
         with pytest.raises(ValueError, match="recompile_limit"):
             engine.warmup()
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda layer: layer.reorder_cache(torch.tensor([0])), "reorder_cache"),
+        (lambda layer: layer.offload(), "offloading is not supported by a seat cache"),
+        (lambda layer: layer.prefetch(), "offloading is not supported by a seat cache"),
+        (lambda layer: layer.batch_repeat_interleave(2), "only defined for DynamicCache"),
+        (lambda layer: layer.batch_select_indices(torch.tensor([0])), "only defined for DynamicCache"),
+        (lambda layer: layer.crop(1), "cannot be cropped"),
+    ],
+    ids=["reorder_cache", "offload", "prefetch", "batch_repeat_interleave", "batch_select_indices", "crop"],
+)
+def test_seat_layers_of_both_kinds_refuse_what_moves_rows_outside_the_engine(call, message):
+    from transformers_flexcache.cache import layer_specs_for_model
+    from transformers_flexcache.cache.seats import FlexibleSeatCache
+
+    jamba = next(case for case in MODEL_CASES if case.name == "jamba")
+    _, flex = jamba.build()
+    layer_specs, _ = layer_specs_for_model(flex)
+    cache = FlexibleSeatCache(layer_specs=layer_specs, max_batch_size=2, max_cache_len=8)
+    kinds = {type(layer).__name__: layer for layer in cache.layers}
+    assert set(kinds) == {"FlexibleSeatLayer", "FlexibleSeatLinearAttentionLayer"}
+    for layer in kinds.values():
+        with pytest.raises((ValueError, NotImplementedError), match=message):
+            call(layer)

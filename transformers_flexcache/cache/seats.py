@@ -86,7 +86,26 @@ def _not_in_a_step(what: str) -> ValueError:
     )
 
 
-class FlexibleSeatLayer(CacheLayerMixin):
+class _SeatLayerRefusals:
+    """What a seat layer refuses, whatever its kind: rows move only between steps, through the engine."""
+
+    def reorder_cache(self, beam_idx):
+        raise _not_in_a_step("reorder_cache")
+
+    def offload(self):
+        raise NotImplementedError("offloading is not supported by a seat cache")
+
+    def prefetch(self):
+        raise NotImplementedError("offloading is not supported by a seat cache")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("batch_repeat_interleave is only defined for DynamicCache")
+
+    def batch_select_indices(self, indices) -> None:
+        raise NotImplementedError("batch_select_indices is only defined for DynamicCache")
+
+
+class FlexibleSeatLayer(_SeatLayerRefusals, CacheLayerMixin):
     """Keys and values of one attention layer in `[B_max, H, L, D]` storage, each row with its own length."""
 
     is_compileable = True
@@ -157,26 +176,11 @@ class FlexibleSeatLayer(CacheLayerMixin):
         for storage in self.storages():
             storage[destination, :, :length] = storage[source, :, :length]
 
-    def reorder_cache(self, beam_idx):
-        raise _not_in_a_step("reorder_cache")
-
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("a seat cache cannot be cropped")
 
-    def offload(self):
-        raise NotImplementedError("offloading is not supported by a seat cache")
 
-    def prefetch(self):
-        raise NotImplementedError("offloading is not supported by a seat cache")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("batch_repeat_interleave is only defined for DynamicCache")
-
-    def batch_select_indices(self, indices) -> None:
-        raise NotImplementedError("batch_select_indices is only defined for DynamicCache")
-
-
-class FlexibleSeatLinearAttentionLayer(LinearAttentionCacheLayerMixin):
+class FlexibleSeatLinearAttentionLayer(_SeatLayerRefusals, LinearAttentionCacheLayerMixin):
     """Conv `[B_max, C, K]` and recurrent `[B_max, C, N]` states of one linear-attention (Mamba) layer, per seat."""
 
     is_compileable = True
@@ -245,26 +249,11 @@ class FlexibleSeatLinearAttentionLayer(LinearAttentionCacheLayerMixin):
     def reset(self) -> None:
         return None
 
-    def reorder_cache(self, beam_idx):
-        raise _not_in_a_step("reorder_cache")
-
     def activate_past_recording(self):
         raise NotImplementedError("past recording is not supported by a seat cache")
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("linear-attention states cannot be cropped")
-
-    def offload(self):
-        raise NotImplementedError("offloading is not supported by a seat cache")
-
-    def prefetch(self):
-        raise NotImplementedError("offloading is not supported by a seat cache")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("batch_repeat_interleave is only defined for DynamicCache")
-
-    def batch_select_indices(self, indices) -> None:
-        raise NotImplementedError("batch_select_indices is only defined for DynamicCache")
 
 
 class FlexibleSeatCache(Cache):

@@ -57,6 +57,17 @@ def _isolating(run, items: list, *, stateless: bool) -> list[tuple]:
     return outcomes
 
 
+def _run_in_groups(workers: list, groups: dict, run) -> list[tuple]:
+    """`run` on each group of `workers` (`groups`: lists of indices into `workers`), isolating a failing worker as
+    `_isolating` does (a group's call can run again without it); the outcomes in the order of `workers`."""
+    outcomes: list = [None] * len(workers)
+    for indices in groups.values():
+        group = [workers[index] for index in indices]
+        for index, outcome in zip(indices, _isolating(run, group, stateless=True), strict=True):
+            outcomes[index] = outcome
+    return outcomes
+
+
 # --- encoders ---------------------------------------------------------------------------------------------------
 def _encoder_signature(kwargs: dict) -> tuple:
     """What must be equal for two requests' encoder calls to share a batch: token inputs may differ in length."""
@@ -87,14 +98,7 @@ def run_encoders(engine, workers: list[RequestWorker]) -> list[tuple]:
             else:  # without a mask, padding would be attended to: batch only equal lengths
                 payload["_length"] = payload["input_ids"].shape[1]
         groups[_encoder_signature(payload)].append(index)
-    outcomes: list = [None] * len(workers)
-    for indices in groups.values():
-        group = [workers[index] for index in indices]
-        for index, outcome in zip(
-            indices, _isolating(lambda ws: _encode(engine, ws), group, stateless=True), strict=True
-        ):
-            outcomes[index] = outcome
-    return outcomes
+    return _run_in_groups(workers, groups, lambda ws: _encode(engine, ws))
 
 
 def _encode(engine, workers: list[RequestWorker]) -> list:
@@ -136,15 +140,8 @@ def run_prefills(engine, workers: list[RequestWorker]) -> list[tuple]:
         # Mamba states cannot skip right padding: such models batch prompts of one length only.
         key = model_inputs[engine.input_ids_key].shape[1] if engine.has_linear_layers else None
         groups[key].append(index)
-    outcomes: list = [None] * len(workers)
-    for indices in groups.values():
-        group = [workers[index] for index in indices]
-        # Admission writes only the admitted seats, from column 0: running it again rewrites the same values.
-        for index, outcome in zip(
-            indices, _isolating(lambda ws: _prefill(engine, ws), group, stateless=True), strict=True
-        ):
-            outcomes[index] = outcome
-    return outcomes
+    # Admission writes only the admitted seats, from column 0: running it again rewrites the same values.
+    return _run_in_groups(workers, groups, lambda ws: _prefill(engine, ws))
 
 
 def _prefill(engine, workers: list[RequestWorker]) -> list:

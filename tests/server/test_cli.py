@@ -49,6 +49,36 @@ def test_flags_set_the_capacities_and_compile_sets_the_bucketed_policy():
     }
 
 
+@pytest.mark.parametrize(
+    ("model_type", "buckets", "num_shapes", "policy_default"),
+    [
+        ("t5", {"max_batch_size": [1, 4], "max_cache_len": [256], "max_encoder_len": [256]}, 12, 144),
+        ("llama", {"max_batch_size": [1, 4], "max_cache_len": [64]}, 6, 16),
+        ("whisper", {"max_batch_size": [1, 4], "max_cache_len": [32]}, 6, 12),  # one encoder length: Whisper's own
+    ],
+)
+def test_compile_without_buckets_compiles_a_dozen_shapes_at_most(model_type, buckets, num_shapes, policy_default):
+    # The bucketed policy's own default (powers of two) would make `--compile` compile up to 144 graphs first.
+    from tests.model_cases import MODEL_CASES
+    from transformers_flexcache.serving import Engine
+
+    _, model = next(case for case in MODEL_CASES if case.name == model_type).build()
+    cache_config = cli.engine_cache_config(flags(compile=True), model.config)
+    assert cache_config["buckets"] == buckets
+    with Engine(model, cache_config=cache_config) as engine:
+        assert len(engine.decode_shapes()) == num_shapes
+    del cache_config["buckets"]
+    with Engine(model, cache_config=cache_config) as engine:
+        assert len(engine.decode_shapes()) == policy_default
+
+
+def test_default_buckets_keep_a_capacity_of_one_as_its_only_size():
+    assert cli.serve_buckets({"max_batch_size": 1, "max_cache_len": 1}) == {
+        "max_batch_size": [1],
+        "max_cache_len": [1],
+    }
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     folder = tmp_path_factory.mktemp("llama")

@@ -73,7 +73,9 @@ def test_compile_without_buckets_compiles_a_dozen_shapes_at_most(model_type, buc
 
 
 def test_default_buckets_keep_a_capacity_of_one_as_its_only_size():
-    assert cli.serve_buckets({"max_batch_size": 1, "max_cache_len": 1}) == {
+    from transformers_flexcache.serving.buckets import default_buckets
+
+    assert default_buckets({"max_batch_size": 1, "max_cache_len": 1}) == {
         "max_batch_size": [1],
         "max_cache_len": [1],
     }

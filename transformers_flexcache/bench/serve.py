@@ -262,7 +262,10 @@ def run(args, parser=None) -> int:
     threads_before = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
-        return _run(args)
+        # The compiled engine's default buckets make 12 decode graphs (`serving/buckets.py`); dynamo keeps 8 of one
+        # function by default. Raised for this command only, as `bench` does.
+        with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=512):
+            return _run(args)
     finally:
         torch.set_num_threads(threads_before)  # as `bench` does: a caller in the same process keeps its threads
 

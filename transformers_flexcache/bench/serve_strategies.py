@@ -21,6 +21,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from ..compilation import compile_config_for_cpu
+from ..serving.buckets import default_buckets
 from .measure import CacheStorageTracker
 
 STRATEGIES = ("one-at-a-time", "static-batching", "in-flight", "in-flight-compiled", "ctranslate2")
@@ -331,7 +332,7 @@ def build_strategies(names, upstream, flex, *, args, max_encoder_len: int) -> li
                 compile_config, shapes = _quick_compile_config(), {"shape_policy": "padded"}
             else:
                 compile_config = compile_config_for_cpu()
-                shapes = {"shape_policy": "bucketed", "buckets": _buckets(capacities)}
+                shapes = {"shape_policy": "bucketed", "buckets": default_buckets(capacities)}  # as `serve --compile`
             strategy = InFlight(
                 flex, cache_config={**capacities, **shapes}, compile_config=compile_config, max_queue=args.max_queue
             )
@@ -347,11 +348,6 @@ def build_strategies(names, upstream, flex, *, args, max_encoder_len: int) -> li
         else:
             raise ValueError(f"unknown strategy {name!r}; choose from {list(STRATEGIES)}")
     return strategies
-
-
-def _buckets(capacities: dict) -> dict:
-    """Two buckets of seats, decoder length and encoder length: 8 decode graphs, within dynamo's default limit."""
-    return {name: [max(1, capacities[name] // 2)] for name in ("max_batch_size", "max_cache_len", "max_encoder_len")}
 
 
 def _quick_compile_config():

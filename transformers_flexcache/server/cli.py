@@ -8,12 +8,8 @@ Design decisions:
   model's config states (a learned position table); Whisper's encoder length is its own (`max_source_positions`).
   Memory is allocated once, when the engine is built.
 - `--compile`: the bucketed shape policy, `compile_config_for_cpu()`, and `Engine.warmup()` before the port opens, so
-  that no request pays a compile; each combination of buckets is one graph. Without `--buckets`, one seat and half
-  the seats, and half of each length capacity (`SERVE_BUCKETS`): 3 x 2 x 2 = 12 graphs for an encoder-decoder model,
-  6 for a decoder-only one. The bucketed policy's own default (powers of two) would be 4 x 6 x 6 = 144 graphs at the
-  default capacities, about twenty minutes of compiling on a CPU before the port opens. A batch of one gets a bucket
-  of its own (a light load: on an Intel Xeon a compiled step of opus-mt-sized Marian took 15.0 ms in a bucket of one
-  row, 21.1 ms in a bucket of 4); a row's attention over up to twice its length costs little beside the linears.
+  that no request pays a compile; each combination of buckets is one graph. Without `--buckets`, the engine's
+  default buckets (`serving/buckets.py`: one seat and half the seats, half of each length; 12 graphs at most).
 - SIGTERM (or Ctrl-C): uvicorn closes the port and waits for the running requests to be answered; a new request on a
   connection still open gets 503; then the engine closes with `drain=True`, and the command exits with status 0.
 """
@@ -25,6 +21,8 @@ import json
 import signal
 import sys
 import time
+
+from ..serving.buckets import default_buckets
 
 DEFAULT_MAX_BATCH_SIZE = 8
 DEFAULT_MAX_LEN = 512
@@ -165,20 +163,8 @@ def engine_cache_config(args, config) -> dict:
             cache_config["max_encoder_len"] = min(DEFAULT_MAX_LEN, limit or DEFAULT_MAX_LEN)
     if args.compile:
         cache_config["shape_policy"] = "bucketed"
-        cache_config["buckets"] = args.buckets if args.buckets is not None else serve_buckets(cache_config)
+        cache_config["buckets"] = args.buckets if args.buckets is not None else default_buckets(cache_config)
     return cache_config
-
-
-def serve_buckets(capacities: dict) -> dict:
-    """`--compile`'s buckets without `--buckets`: one seat and half the seats, half of each length capacity (the
-    capacities are the last buckets; see the module docstring)."""
-    seats = capacities["max_batch_size"]
-    buckets = {"max_batch_size": sorted({1, (seats + 1) // 2} - {seats}) or [seats]}
-    for name in ("max_cache_len", "max_encoder_len"):
-        if name in capacities:
-            capacity = capacities[name]
-            buckets[name] = sorted({(capacity + 1) // 2} - {capacity}) or [capacity]
-    return buckets
 
 
 def build_engine(args, model, tokenizer):

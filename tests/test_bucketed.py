@@ -262,6 +262,35 @@ def test_warmup_refuses_more_shapes_than_dynamo_keeps_graphs_of_one_function():
         warmup(flex, lambda b, n: {}, max_new_tokens=3, cache_config=bucketed_config(flex))
 
 
+def test_a_warmup_that_reaches_the_limit_with_another_models_graphs_says_why():
+    # Every flexible model's forward is one function to dynamo: a copy's warm-up counts the first model's graphs too.
+    import copy
+
+    _, flex = LLAMA.build("sdpa")
+    twin = copy.deepcopy(flex)
+    config = {"max_batch_size": 2, "max_cache_len": 12, "max_prompt_len": 6, "shape_policy": "padded"}
+    compile_config = CompileConfig(backend="eager", fullgraph=True, dynamic=False)
+    compile_config._compile_all_devices = True  # compile on the CPU too (upstream compiles CUDA only by default)
+
+    def make_inputs(batch_size, length):
+        return {"input_ids": torch.full((batch_size, length), 5), "attention_mask": torch.ones(batch_size, length)}
+
+    torch._dynamo.reset()
+    try:
+        with torch._dynamo.config.patch(recompile_limit=1):
+            assert (
+                len(warmup(flex, make_inputs, max_new_tokens=4, cache_config=config, compile_config=compile_config))
+                == 1
+            )
+            # the copy at other capacities: a graph of its own (with frozen weights, as under compile_config_for_cpu,
+            # even the same shapes make one: its weights are other constants)
+            other = {**config, "max_batch_size": 3}
+            with pytest.raises(RuntimeError, match=r"graphs compiled earlier in this process for other models"):
+                warmup(twin, make_inputs, max_new_tokens=4, cache_config=other, compile_config=compile_config)
+    finally:
+        torch._dynamo.reset()
+
+
 def test_warmup_refuses_the_exact_policy_and_unset_capacities():
     _, flex = T5.build()
     with pytest.raises(ValueError, match="fixed-shape policy"):

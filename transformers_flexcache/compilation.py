@@ -27,6 +27,8 @@ Design decisions:
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers import CompileConfig
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
@@ -166,6 +168,12 @@ def warmup(
             f"the calls of the others eagerly; set torch._dynamo.config.recompile_limit = {len(shapes)} (or more) "
             'first, or list fewer sizes in cache_config["buckets"]'
         )
+    with explained_recompile_limit(len(shapes)):
+        _run_shapes(model, make_inputs, shapes, config, compile_config, generate_kwargs)
+    return shapes
+
+
+def _run_shapes(model, make_inputs, shapes, config, compile_config, generate_kwargs: dict) -> None:
     for shape in shapes:
         stopping = StoppingCriteriaList(
             [*(generate_kwargs.get("stopping_criteria") or []), StopAfterSteps(WARMUP_FORWARDS)]
@@ -179,4 +187,24 @@ def warmup(
             max_new_tokens=shape.max_new_tokens,
             min_new_tokens=min(WARMUP_FORWARDS, shape.max_new_tokens),
         )
-    return shapes
+
+
+@contextlib.contextmanager
+def explained_recompile_limit(num_shapes: int):
+    """Re-raise dynamo's recompile-limit failure of a warm-up with what it means here.
+
+    Every flexible model's forward is one function to dynamo (`FlexModelMixin.__call__`, which generate's
+    `compile_config` compiles), so the graphs compiled earlier in the process for other models, or for copies of this
+    one, count against the same `recompile_limit`: a warm-up that fits the limit alone can still reach it.
+    """
+    try:
+        yield
+    except torch._dynamo.exc.FailOnRecompileLimitHit as error:
+        limit = torch._dynamo.config.recompile_limit
+        raise RuntimeError(
+            f"dynamo's recompile limit ({limit} graphs of one function) was reached while compiling {num_shapes} "
+            "shapes: every flexible model's forward is one function to dynamo (FlexModelMixin.__call__), so the graphs "
+            "compiled earlier in this process for other models, or for copies of this one, count too. Set "
+            "torch._dynamo.config.recompile_limit and accumulated_recompile_limit to the graphs of all the models "
+            "this process compiles, or call torch._dynamo.reset() before warming up another model"
+        ) from error

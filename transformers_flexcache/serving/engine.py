@@ -38,7 +38,7 @@ from ..cache import layer_specs_for_model
 from ..cache.config import Overflow, overflow_message
 from ..cache.placement import KEY_PROJECTION_NAMES, attention_modules
 from ..cache.seats import FlexibleSeatCache, FlexibleSeatEncoderDecoderCache
-from ..compilation import compile_settings
+from ..compilation import compile_settings, explained_recompile_limit
 from . import steps
 from .handle import EngineClosedError, QueueFullError, RequestCancelledError, RequestHandle
 from .lockstep import HEARTBEAT_S, StepPlan, share, tensor_parallel_rank
@@ -327,8 +327,9 @@ class Engine:
         with self._model_lock, torch.no_grad():
             if self.num_running:
                 raise RuntimeError("warmup() runs before serving: requests are running")
-            for span, window, cross_window in shapes:
-                steps.run_dummy_decode(self, span, window, cross_window)
+            with explained_recompile_limit(len(shapes)):
+                for span, window, cross_window in shapes:
+                    steps.run_dummy_decode(self, span, window, cross_window)
         return len(shapes)
 
     def decode_shapes(self) -> list[tuple]:

@@ -600,6 +600,7 @@ class RequestSeats(Cache):
         self.owner = owner
         self._run_forward, self._reorder_rows = run_forward, reorder_rows
         self.rows = rows  # [R] seats, in the order of the request's rows
+        self.last_seat = int(rows.max())  # the span a decode step needs for it, read at every step
         self.encoder_len = encoder_len
         self.length = 0  # decoder columns written by this generate call
         self.admitted = False  # its prefill ran (or it joined the decode step): its model calls are decode steps

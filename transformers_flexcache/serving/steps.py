@@ -370,7 +370,7 @@ def decode_shape(engine, items: list) -> tuple[int, int, int | None]:
     """`(B, W, E_W)` of a decode step over `items` (`(seats, model_inputs)`): the seats' span, the longest decoder
     length plus the new token, the longest encoder length, each rounded up as the shape policy says."""
     config = engine.config
-    span = 1 + max(int(seats.rows.max()) for seats, _ in items)
+    span = 1 + max(seats.last_seat for seats, _ in items)
     window = 1 + max(seats.length for seats, _ in items)
     encoder = max((seats.encoder_len or 1) for seats, _ in items) if engine.is_encoder_decoder else None
     return (

@@ -191,20 +191,25 @@ class CompletionJob:
                 )
                 choices.append(completion_choice(self._index(prompt, row), text, reason, **extra))
                 num_tokens += len(own)
-        prompt_tokens = sum(len(ids) for ids in self.prompts)
-        self.served.metrics.answered(
-            ROUTE,
-            seconds=time.perf_counter() - self.started,
-            prompt_tokens=prompt_tokens,
-            generated_tokens=num_tokens,
-            handles=self.handles,
-        )
+        prompt_tokens = self._answered(num_tokens)
         return completion(
             request_id=self.request_id,
             model=self.served.model_name,
             choices=choices,
             usage=usage(prompt_tokens, num_tokens),
         )
+
+    def _answered(self, generated_tokens: int) -> int:
+        """Record the answered request in the metrics; returns its prompt tokens."""
+        prompt_tokens = sum(len(ids) for ids in self.prompts)
+        self.served.metrics.answered(
+            ROUTE,
+            seconds=time.perf_counter() - self.started,
+            prompt_tokens=prompt_tokens,
+            generated_tokens=generated_tokens,
+            handles=self.handles,
+        )
+        return prompt_tokens
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> str:
         body = completion(request_id=self.request_id, model=self.served.model_name, choices=choices, usage=usage)
@@ -245,13 +250,7 @@ class CompletionJob:
                 yield self._chunk([], usage(prompt_tokens, num_tokens))
             yield "data: [DONE]\n\n"
             answered = True
-            self.served.metrics.answered(
-                ROUTE,
-                seconds=time.perf_counter() - self.started,
-                prompt_tokens=prompt_tokens,
-                generated_tokens=num_tokens,
-                handles=self.handles,
-            )
+            self._answered(num_tokens)
         finally:
             for handle in self.handles:
                 handle.cancel()  # a no-op for a finished one; frees the seats of the others within a step

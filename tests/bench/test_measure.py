@@ -141,3 +141,9 @@ def test_bench_buckets_leave_out_an_encoder_bucket_that_no_call_of_the_stream_fi
     capacities = {"max_batch_size": 2, "max_cache_len": 13, "max_encoder_len": 1500}
     buckets = bench_buckets(capacities, encoder_decoder=True, new_tokens=12, min_encoder_len=1500)
     assert buckets == {"max_batch_size": [1], "max_encoder_len": [1500]}
+
+
+def test_bench_buckets_of_a_single_row_capacity_are_that_row():
+    # a bucket list is never empty (CacheConfig refuses one): `--max-batch-size 1` runs at its one row
+    capacities = {"max_batch_size": 1, "max_cache_len": 13, "max_encoder_len": 48}
+    assert bench_buckets(capacities, encoder_decoder=True, new_tokens=12)["max_batch_size"] == [1]

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 from transformers import LogitsProcessor
 
+from ..serving.buckets import row_buckets
+
 # The stream's shape when the command line does not set it: `--quick`, and the default run.
 QUICK_DEFAULTS = {"calls": 6, "max_batch_size": 4, "min_length": 4, "max_length": 16, "new_tokens": 8}
 FULL_DEFAULTS = {"calls": 12, "max_batch_size": 8, "min_length": 8, "max_length": 48, "new_tokens": 12}
@@ -88,27 +90,21 @@ def bench_buckets(
     a prompt of half the capacity reaches (prompt + new tokens - 1).
 
     Generate compiles one decode graph per rows and decoder (or encoder) length bucket: 6 graphs per model (2 for
-    Whisper, whose 2 rows of capacity make one row the half). Prompt buckets add none (the prefill runs eagerly), they only shorten the prefill of short prompts: on
-    the ~100M Llama at 2 threads the stream took 0.97x DynamicCache's time with these three, 1.04x with the half
-    alone (first token 183 ms against 236 ms)."""
+    Whisper, whose 2 rows of capacity make one row the half). Prompt buckets add none (the prefill runs eagerly),
+    they only shorten the prefill of short prompts: on the ~100M Llama at 2 threads the stream took 0.97x
+    DynamicCache's time with these three, 1.04x with the half alone (first token 183 ms against 236 ms)."""
     if encoder_decoder:
         half = (capacities["max_encoder_len"] + 1) // 2
         used = min_encoder_len is None or min_encoder_len <= half
         encoder = [half] if used else [capacities["max_encoder_len"]]  # the capacity alone: no smaller bucket
-        return {"max_batch_size": _rows_buckets(capacities), "max_encoder_len": encoder}
+        return {"max_batch_size": row_buckets(capacities["max_batch_size"]), "max_encoder_len": encoder}
     prompt = capacities["max_prompt_len"]
     half = (prompt + 1) // 2
     return {
-        "max_batch_size": _rows_buckets(capacities),
+        "max_batch_size": row_buckets(capacities["max_batch_size"]),
         "max_prompt_len": sorted({max(1, prompt // 4), half, max(1, 3 * prompt // 4)} - {prompt}),
         "max_cache_len": [half + new_tokens - 1],
     }
-
-
-def _rows_buckets(capacities: dict[str, int]) -> list[int]:
-    """One row and half the capacity of rows (the capacity is the last bucket)."""
-    half = (capacities["max_batch_size"] + 1) // 2
-    return sorted({1, half} - {capacities["max_batch_size"]})
 
 
 def capacities_for(config, stream: list[Call], new_tokens: int) -> dict[str, int]:

@@ -17,10 +17,15 @@ from __future__ import annotations
 def default_buckets(capacities: dict) -> dict[str, list[int]]:
     """`cache_config["buckets"]` for these capacities (`max_batch_size`, and `max_cache_len` / `max_encoder_len`
     where present): one seat and half the seats, half of each length."""
-    seats = capacities["max_batch_size"]
-    buckets = {"max_batch_size": sorted({1, (seats + 1) // 2} - {seats}) or [seats]}
+    buckets = {"max_batch_size": row_buckets(capacities["max_batch_size"])}
     for name in ("max_cache_len", "max_encoder_len"):
         if name in capacities:
             capacity = capacities[name]
             buckets[name] = sorted({(capacity + 1) // 2} - {capacity}) or [capacity]
     return buckets
+
+
+def row_buckets(capacity: int) -> list[int]:
+    """One row and half the capacity of rows, below the capacity (which is always the last bucket); the capacity
+    itself when it is 1 (a bucket list is never empty)."""
+    return sorted({1, (capacity + 1) // 2} - {capacity}) or [capacity]

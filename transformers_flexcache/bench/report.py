@@ -77,7 +77,18 @@ def isa_info() -> dict:
         "bf16_native": bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
         "linear_kernels": resolve_linear_kernels("auto"),
         "ctranslate2_compute_types": compute_types,
+        "int8_bits": _int8_bits(),
     }
+
+
+def _int8_bits() -> int | None:
+    """The bits of `quantize(model, "int8")` on this CPU (7 without VNNI), or None without torchao."""
+    try:
+        from ..quantization import int8_bits
+
+        return int8_bits()
+    except ImportError:
+        return None
 
 
 def _stream_json(result) -> list[dict]:
@@ -500,9 +511,11 @@ def _isa_line(machine: dict) -> str:
     bf16 = "native bf16 matmuls" if isa.get("bf16_native") else "no native bf16 (emulated)"
     ct2 = isa.get("ctranslate2_compute_types")
     ct2 = f"; CTranslate2 compute types: {', '.join(ct2)}" if ct2 else ""
+    bits = isa.get("int8_bits")
+    int8 = f"; our int8 at {bits} bits" + (" (no VNNI: 8 would saturate)" if bits == 7 else "") if bits else ""
     return (
         f"CPU: {isa.get('vendor') or '?'}, {flags}; torch {isa.get('torch_capability')}, {bf16}\n"
-        f"fp32 linears compiled on {isa.get('linear_kernels')}{ct2}\n"
+        f"fp32 linears compiled on {isa.get('linear_kernels')}{int8}{ct2}\n"
     )
 
 

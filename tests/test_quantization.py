@@ -226,3 +226,34 @@ def test_the_serving_engine_serves_an_int8_model_as_its_eager_int8_generate(case
         outputs = [handle.result(timeout=120) for handle in handles]
     for want, got in zip(expected, outputs, strict=True):
         assert_int8_tokens(want, got)
+
+
+def test_8_bit_int8_weights_are_refused_for_a_compiled_call_on_a_cpu_without_vnni(monkeypatch):
+    # A model quantized at 8 bits (on a CPU with VNNI) and compiled where the int8 kernels saturate: refused before the
+    # call leases a cache or compiles; the eager call, and 7-bit weights, still run. Both CPUs are forced here.
+    import torchao.utils
+
+    import transformers_flexcache.quantization as quantization
+    from transformers_flexcache.serving import Engine
+
+    monkeypatch.setattr(torchao.utils, "should_reduce_range", lambda device: False)
+    upstream, flex = quantized_pair(LLAMA)
+    monkeypatch.setattr(quantization, "_cpu_without_vnni", lambda: True)
+    inputs = LLAMA.make_inputs(2, 5, torch.Generator().manual_seed(0))
+    cache_config = cache_config_for(LLAMA, "padded")
+    compiled = {"cache_implementation": "flexible_static", "cache_config": cache_config, "max_new_tokens": 3}
+    with pytest.raises(ValueError, match=r"8-bit ranges, which oneDNN's compiled int8 kernels saturate on this CPU"):
+        flex.generate(**inputs, **compiled, compile_config=compile_config_for_cpu())
+    assert flex.flexible_cache is None  # nothing was leased
+    with pytest.raises(ValueError, match=r"quantize the float model on this machine"):
+        engine_capacities = {"shape_policy": "padded", "max_batch_size": 4, "max_cache_len": 16}
+        Engine(flex, cache_config=engine_capacities, compile_config=compile_config_for_cpu())
+    expected = upstream.generate(
+        **inputs, max_new_tokens=3, do_sample=False, output_scores=True, return_dict_in_generate=True
+    )
+    assert_int8_tokens(expected, flex.generate(**inputs, **compiled, do_sample=False))  # eager: no int8 GEMM kernel
+
+    monkeypatch.setattr(torchao.utils, "should_reduce_range", lambda device: True)
+    _, seven_bits = quantized_pair(LLAMA)
+    quantization.check_compiled_int8(seven_bits)  # 7-bit weights: no error
+    quantization.check_compiled_int8(LLAMA.build("sdpa")[1])  # a float model: no error

@@ -62,6 +62,7 @@ from transformers.utils import ModelOutput
 
 from .cache import CacheConfig, is_flexible_cache
 from .log import get_logger
+from .quantization import check_compiled_int8
 
 logger = get_logger(__name__)
 
@@ -407,6 +408,8 @@ class PaddedPolicy:
         given = plan.given
         if given is not None and not (is_flexible_cache(given) and given.shape_policy == self.name):
             return upstream_generate(*args, **kwargs)  # another cache given: run as asked
+        if resolved.compile_config is not None:
+            check_compiled_int8(model)  # 8-bit int8 weights on a CPU whose int8 kernels saturate: refused here
         main_param = next(iter(signature.parameters))  # `inputs` (GenerationMixin) or e.g. `input_features`
         call = self._pad_call(
             plan, arguments, extra, model_kwargs, main_param=main_param, has_default_max_length=has_default_max_length

@@ -35,6 +35,8 @@ Design decisions:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -94,6 +96,26 @@ def int8_bits() -> int:
     from torchao.utils import should_reduce_range
 
     return 7 if should_reduce_range(torch.device("cpu")) else 8
+
+
+def check_compiled_int8(model: nn.Module) -> None:
+    """Raise a `ValueError` where `model` holds int8 weights at 8-bit ranges (quantized on a CPU with VNNI) and this
+    CPU has none: its compiled int8 GEMMs would saturate (see the module docstring). Called before a compiled call
+    changes anything; float models pass at the cost of finding their first linear layer."""
+    first = next((module for module in model.modules() if isinstance(module, nn.Linear)), None)
+    if first is None or not _is_quantized(first.weight) or getattr(first.weight, "reduce_range", True):
+        return
+    if _cpu_without_vnni():
+        raise ValueError(
+            "this model's int8 weights use 8-bit ranges, which oneDNN's compiled int8 kernels saturate on this CPU "
+            "(no VNNI: AVX2 only), giving wrong outputs: quantize the float model on this machine "
+            '(quantize(model, "int8") uses 7 bits here), or run it without compile_config'
+        )
+
+
+@functools.cache
+def _cpu_without_vnni() -> bool:
+    return int8_bits() == 7
 
 
 def quantization_of(model: nn.Module) -> str | None:

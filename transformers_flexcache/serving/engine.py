@@ -39,6 +39,7 @@ from ..cache.config import Overflow, overflow_message
 from ..cache.placement import KEY_PROJECTION_NAMES, attention_modules
 from ..cache.seats import FlexibleSeatCache, FlexibleSeatEncoderDecoderCache
 from ..compilation import compile_settings, explained_recompile_limit
+from ..quantization import check_compiled_int8
 from . import steps
 from .handle import EngineClosedError, QueueFullError, RequestCancelledError, RequestHandle
 from .lockstep import HEARTBEAT_S, StepPlan, share, tensor_parallel_rank
@@ -93,6 +94,8 @@ class Engine:
                 'compile_config needs fixed shapes: pass cache_config={"shape_policy": "bucketed", ...} (or "padded") '
                 "with it; the exact policy would compile a new graph at every step"
             )
+        if compile_config is not None:
+            check_compiled_int8(model)
         self.compile_config = compile_config
         self.max_queue = int(max_queue)
         self.tokenizer = tokenizer

@@ -229,6 +229,43 @@ def test_warmup_compiles_every_bucket_so_that_a_stream_compiles_nothing_more(cas
     assert counter.frame_count == warmed
 
 
+def test_warmup_compiles_the_encoder_of_every_bucket_too_when_the_config_asks():
+    # FlexCompileConfig(compile_encoder=True), as compile_config_for_cpu() makes it: one encoder graph per rows bucket
+    # and encoder length bucket, compiled by warmup() beside the decode graphs; the stream then compiles nothing.
+    from transformers_flexcache.compiled_encoder import FlexCompileConfig
+
+    upstream, flex = T5.build("sdpa")
+    counter = CompileCounter()
+    compile_config = FlexCompileConfig(backend=counting_backend(counter), fullgraph=True, dynamic=False)
+    compile_config._compile_all_devices = True
+    config = bucketed_config(flex, buckets={"max_batch_size": [2]})  # rows 2 and 4, encoder length 12
+    generator = torch.Generator().manual_seed(1)
+    shapes = warmup(
+        flex,
+        lambda b, n: T5.make_inputs(b, n, generator),
+        max_new_tokens=3,
+        cache_config=config,
+        compile_config=compile_config,
+    )
+    assert len(shapes) == 2
+    assert counter.frame_count == 2 * 2  # a decode graph and an encoder graph per shape
+    for batch_size, length, new_tokens in STREAM:
+        inputs = T5.make_inputs(batch_size, length, generator)
+        expected, actual = generate_both(
+            upstream,
+            flex,
+            inputs,
+            cache_config=config,
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            compile_config=compile_config,
+        )
+        assert_same_padded_generation(
+            upstream, flex, inputs, expected, actual, max_new_tokens=new_tokens, do_sample=False
+        )
+    assert counter.frame_count == 2 * 2
+
+
 def test_call_shapes_are_every_combination_of_buckets_known_before_any_call():
     _, flex = T5.build()
     config = CacheConfig.parse(

@@ -15,7 +15,9 @@ from torch._dynamo.testing import CompileCounter
 from transformers import CompileConfig
 
 from tests.helpers import assert_same_padded_generation
-from tests.model_cases import MODEL_CASES
+from tests.model_cases import BART, MODEL_CASES, T5, WHISPER
+from transformers_flexcache import compile_config_for_cpu
+from transformers_flexcache.compiled_encoder import FlexCompileConfig
 
 # (batch, prompt or encoder length, new tokens): every call a new batch and length.
 COMPILE_STREAM = [(4, 12, 3), (1, 5, 3), (3, 9, 2), (2, 3, 3), (4, 10, 2), (1, 7, 3)]
@@ -106,3 +108,23 @@ def test_padded_stream_with_compiled_forward_compiles_prefill_and_decode_once(ca
     graphs = run_stream(case, upstream, flex, counter)
     # the first call traces the prefill (the first decoder step for encoder-decoder models) and the decode step
     assert graphs == [2] * len(COMPILE_STREAM)
+
+
+@pytest.mark.parametrize("case", [T5, BART, WHISPER], ids=lambda case: case.name)
+def test_compile_encoder_compiles_a_token_encoder_once_at_the_padded_shapes(case):
+    # compile_config_for_cpu()'s FlexCompileConfig also compiles the encoder of a fixed-shape call, at its padded rows
+    # and encoder length: one more graph over the whole stream. Whisper's log-mel encoder stays eager (token inputs
+    # only), as it does under upstream's plain CompileConfig (the tests above).
+    upstream, flex = case.build("sdpa")
+    counter = CompileCounter()
+    compile_config = FlexCompileConfig(backend=counting_backend(counter), fullgraph=True, compile_encoder=True)
+    compile_config._compile_all_devices = True
+    graphs = run_stream(case, upstream, flex, counter, compile_config=compile_config)
+    assert graphs == [1 if case is WHISPER else 2] * len(COMPILE_STREAM)
+
+
+def test_compile_encoder_is_kept_out_of_torch_compiles_arguments_and_of_equality():
+    config = FlexCompileConfig(fullgraph=True, compile_encoder=True)
+    assert "compile_encoder" not in config.to_dict()
+    assert config == FlexCompileConfig(fullgraph=True, compile_encoder=False)  # the same decode graphs
+    assert compile_config_for_cpu().compile_encoder and not compile_config_for_cpu(encoder=False).compile_encoder

@@ -34,6 +34,7 @@ from transformers import CompileConfig
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
 from .cache import CacheConfig
+from .compiled_encoder import FlexCompileConfig
 from .linear_kernels import OneDNNLinears, resolve_linear_kernels
 from .padding import POLICIES, compile_settings
 from .request import FLEXIBLE_STATIC
@@ -50,7 +51,9 @@ __all__ = [
 ]  # `compile_settings` lives with its user, padding.py
 
 
-def compile_config_for_cpu(*, fullgraph: bool = True, linear_kernels: str = "auto", **options) -> CompileConfig:
+def compile_config_for_cpu(
+    *, fullgraph: bool = True, linear_kernels: str = "auto", encoder: bool = True, **options
+) -> CompileConfig:
     """A `CompileConfig` that compiles generate's decode step for speed on CPU.
 
     Args:
@@ -58,10 +61,14 @@ def compile_config_for_cpu(*, fullgraph: bool = True, linear_kernels: str = "aut
         linear_kernels (`str`, *optional*, defaults to `"auto"`): the kernels of the frozen fp32 linear layers:
             `"mkl"` (inductor's own choice), `"onednn"`, or `"auto"`: MKL on Intel CPUs, oneDNN on the others (as
             CTranslate2 chooses). oneDNN is set as an inductor post-grad pass (`OneDNNLinears`).
+        encoder (`bool`, *optional*, defaults to `True`): under a padded or bucketed `flexible_static` policy, compile
+            an encoder-decoder call's encoder too, at the call's padded rows and encoder length (`compiled_encoder.py`);
+            upstream's generate runs it eagerly.
         **options: inductor settings added to (or replacing) `CPU_INDUCTOR_OPTIONS`, e.g. `cpp_wrapper=True`.
 
     Returns:
-        `CompileConfig`: inductor, `dynamic=False`, the options above; compiling on CPU enabled.
+        `FlexCompileConfig` (upstream's `CompileConfig` with `compile_encoder`): inductor, `dynamic=False`, the options
+        above; compiling on CPU enabled.
 
     Raises:
         ValueError: `linear_kernels` is not one of `"auto"`, `"onednn"`, `"mkl"`.
@@ -80,7 +87,8 @@ def compile_config_for_cpu(*, fullgraph: bool = True, linear_kernels: str = "aut
     kernel_options = {}
     if resolve_linear_kernels(linear_kernels) == "onednn":
         kernel_options["post_grad_custom_post_pass"] = OneDNNLinears()
-    config = CompileConfig(
+    config = FlexCompileConfig(
+        compile_encoder=encoder,
         fullgraph=fullgraph,
         dynamic=False,
         backend="inductor",

@@ -95,14 +95,17 @@ def test_every_linear_is_int8_and_embeddings_and_norms_stay_float(case):
 
 
 @pytest.mark.parametrize("bits", [7, 8])
-def test_int8_weights_use_7_bits_where_the_cpu_has_no_vnni(monkeypatch, bits):
+def test_int8_weights_use_7_bits_where_the_cpu_has_no_vnni(monkeypatch, caplog, bits):
     # oneDNN's int8 GEMMs saturate 16-bit sums at 8 bits on CPUs without VNNI (AVX2): quantize() asks torchao for
     # 7-bit ranges there. Both sides are forced here, so each runs on every CPU.
     import torchao.utils
 
     monkeypatch.setattr(torchao.utils, "should_reduce_range", lambda device: bits == 7)
     assert int8_bits() == bits
-    upstream, _ = quantized_pair(LLAMA)
+    with caplog.at_level("WARNING", logger="transformers_flexcache.quantization"):
+        upstream, _ = quantized_pair(LLAMA)
+    # ... and says there that int8 runs slower than float32 on such a CPU
+    assert ("this CPU has no VNNI" in caplog.text) == (bits == 7)
     linears = [module for module in upstream.modules() if isinstance(module, torch.nn.Linear)]
     low = min(module.weight.qdata.min().item() for module in linears)
     high = max(module.weight.qdata.max().item() for module in linears)

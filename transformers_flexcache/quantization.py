@@ -27,7 +27,11 @@ Design decisions:
   AMD EPYC (Zen 3, AVX2): one compiled 512x2048 int8 linear off the eager int8 linear by 2.85 on outputs up to 6.7,
   the tiny T5's compiled int8 tokens 46% equal to eager int8's. At 7 bits the compiled linear equals the eager one
   (4.8e-7) and its error against fp32 doubles (0.53 against 0.23 at 8 bits, activations with outliers): reported by
-  `int8_bits()` and the bench's header. CPUs with VNNI or AMX keep 8 bits.
+  `int8_bits()` and the bench's header. CPUs with VNNI or AMX keep 8 bits. On such a CPU int8 is also slow:
+  oneDNN's int8 linears without VNNI took 5.35 ms where float32's took 1.07 (two 512x2048 linears, one row, compiled,
+  the same AMD EPYC), so `quantize` logs a warning there. (FBGEMM's dynamic int8 linear is fast there, 0.31 ms, but it
+  quantizes activations per tensor, which makes a row's outputs depend on the other rows of its batch, and dynamo
+  cannot trace its packed weights.)
 - torchao's `set_inductor_config` is turned off: it would change inductor's global settings for the whole process.
 - Compiled graphs of the model from before are dropped (upstream's cached compiled call): frozen graphs hold the
   float weights as constants and would keep running them.
@@ -39,6 +43,10 @@ import functools
 
 import torch
 from torch import nn
+
+from .log import get_logger
+
+logger = get_logger(__name__)
 
 QUANTIZE_MODES = ("int8",)
 QUANTIZED_DTYPES = (torch.float32, torch.bfloat16)
@@ -79,6 +87,12 @@ def quantize(model: nn.Module, mode: str = "int8") -> nn.Module:
     except ImportError as error:
         raise ImportError(f'quantize(model, "{mode}") needs torchao: pip install torchao') from error
 
+    if int8_bits() == 7:
+        logger.warning(
+            "this CPU has no VNNI: int8 is quantized to 7 bits (8 would saturate oneDNN's int8 kernels), and its "
+            "compiled int8 linears run slower than float32 ones here (AMD EPYC Zen 3, AVX2: 5x at one row). Use "
+            "float32 for speed on this CPU; int8 saves memory only."
+        )
     _untie_output_layer(model)
     quantize_(
         model,

@@ -28,6 +28,7 @@ Design decisions:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 from transformers import CompileConfig
@@ -178,7 +179,21 @@ def warmup(
         )
     with explained_recompile_limit(len(shapes)):
         _run_shapes(model, make_inputs, shapes, config, compile_config, generate_kwargs)
+        _run_shapes(
+            model, make_inputs, _encoder_shapes(model, shapes, compile_config), config, compile_config, generate_kwargs
+        )
     return shapes
+
+
+def _encoder_shapes(model, shapes: list, compile_config) -> list:
+    """The call that compiles the encoder graph the shapes leave out: a compiled encoder (`compiled_encoder.py`) runs
+    at the call's own rows with dynamic shapes, one graph for a single row and one for more. Each shape's call ran
+    at its bucket's rows (the capacity always among them), so the single-row graph is missing where no bucket is 1."""
+    if not (getattr(compile_config, "compile_encoder", False) and model.config.is_encoder_decoder and shapes):
+        return []
+    if any(shape.batch_size == 1 for shape in shapes):
+        return []
+    return [dataclasses.replace(min(shapes, key=lambda shape: (shape.batch_size, shape.length)), batch_size=1)]
 
 
 def _run_shapes(model, make_inputs, shapes, config, compile_config, generate_kwargs: dict) -> None:

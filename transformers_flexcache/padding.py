@@ -61,7 +61,7 @@ from transformers.generation.stopping_criteria import StoppingCriteria, Stopping
 from transformers.utils import ModelOutput
 
 from .cache import CacheConfig, is_flexible_cache
-from .compiled_encoder import compiles_encoder, encode_at_fixed_shapes
+from .compiled_encoder import compiles_encoder, encode_compiled
 from .log import get_logger
 from .quantization import check_compiled_int8
 
@@ -504,21 +504,13 @@ class PaddedPolicy:
             # The encoder runs at the call's own rows and its outputs are padded, as a continuation's are: encoding
             # the padding rows (copies of row 0) multiplied its work by up to max_batch_size (t5-small-sized T5, one
             # row of 40 tokens padded to 4 rows: first token 282 ms against DynamicCache's 143 ms). A compiled
-            # encoder runs at the padded shapes, and its outputs are cut back to the call's (compiled_encoder.py).
+            # encoder too, with dynamic shapes (compiled_encoder.py).
             extra.pop(input_name, None)
             encoder_kwargs = {key: value for key, value in model_inputs.items() if key != input_name}
             with torch.no_grad():  # as upstream's generate encodes (outputs that need no grad: one decode graph)
                 if compiled_encoder:
                     with compile_settings(resolved.compile_config):
-                        model_inputs = encode_at_fixed_shapes(
-                            model,
-                            resolved,
-                            model_inputs[input_name],
-                            encoder_kwargs,
-                            rows=call.padded_batch_size,
-                            length=reservation.shapes.get("max_encoder_len", prompt_len),
-                            pad_token_id=pad_token_id(resolved),
-                        )
+                        model_inputs = encode_compiled(model, resolved, model_inputs[input_name], encoder_kwargs)
                 else:
                     model_inputs = model._prepare_text_encoder_decoder_kwargs_for_generation(
                         model_inputs[input_name], encoder_kwargs, input_name, resolved

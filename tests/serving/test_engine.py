@@ -458,6 +458,34 @@ def test_a_compiled_stream_compiles_nothing_after_warmup(name):
         assert_same_output(want, got)
 
 
+def test_a_compiled_encoder_is_warmed_up_with_the_decode_step_and_serves_the_stream():
+    # compile_config_for_cpu()'s FlexCompileConfig compiles the batched token encoder too, with dynamic shapes:
+    # warmup() adds its graphs for one row and for several, and requests of any rows and lengths compile nothing.
+    from transformers_flexcache.compiled_encoder import FlexCompileConfig
+
+    torch._dynamo.reset()
+    case = next(case for case in MODEL_CASES if case.name == "t5")
+    upstream, flex = case.build("sdpa")
+    stream = request_stream(case, num_requests=5)
+    expected = [reference(upstream, inputs, kwargs, seed) for inputs, kwargs, seed in stream]
+    counter = CompileCounter()
+    compile_config = FlexCompileConfig(backend=counting_compile_config(counter).backend, fullgraph=True)
+    compile_config._compile_all_devices = True
+    config = {**capacities(flex), "shape_policy": "padded"}
+    try:
+        with Engine(flex, cache_config=config, compile_config=compile_config) as engine:
+            assert engine.warmup() == 1
+            warm = counter.frame_count
+            handles = [engine.submit(**own_copy(inputs), seed=seed, **kwargs) for inputs, kwargs, seed in stream]
+            outputs = [handle.result(timeout=TIMEOUT) for handle in handles]
+    finally:
+        torch._dynamo.reset()
+    assert warm == 1 + 2  # the decode step, the encoder for one row and for several
+    assert counter.frame_count == warm  # no request paid a compile
+    for want, got in zip(expected, outputs, strict=True):
+        assert_same_output(want, got)
+
+
 def test_warmup_refuses_more_shapes_than_dynamo_keeps():
     case = next(case for case in MODEL_CASES if case.name == "llama")
     _, flex = case.build("sdpa")

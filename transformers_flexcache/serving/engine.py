@@ -39,6 +39,7 @@ from ..cache.config import Overflow, overflow_message
 from ..cache.placement import KEY_PROJECTION_NAMES, attention_modules
 from ..cache.seats import FlexibleSeatCache, FlexibleSeatEncoderDecoderCache
 from ..compilation import compile_settings, explained_recompile_limit
+from ..compiled_encoder import compiled_encoder
 from ..quantization import check_compiled_int8
 from . import steps
 from .handle import EngineClosedError, QueueFullError, RequestCancelledError, RequestHandle
@@ -121,6 +122,16 @@ class Engine:
             "attention_mask" in inspect.signature(model.get_encoder().forward).parameters
         )
         self.decode_forward = model.get_compiled_call(compile_config) if compile_config is not None else model
+        # A FlexCompileConfig (compile_config_for_cpu()) compiles the batched token encoder too, with dynamic shapes.
+        self.compiled_encoder = (
+            compiled_encoder(model, compile_config)
+            if self.is_encoder_decoder
+            and getattr(compile_config, "compile_encoder", False)
+            and model.main_input_name == "input_ids"
+            and (getattr(model, "_tp_size", None) or 1) == 1
+            and not hasattr(model, "hf_device_map")
+            else None
+        )
         self._mask_fill = torch.finfo(model.dtype).min if model.config._attn_implementation == "eager" else None
 
         self._lock = threading.Condition()
@@ -333,6 +344,10 @@ class Engine:
             with explained_recompile_limit(len(shapes)):
                 for span, window, cross_window in shapes:
                     steps.run_dummy_decode(self, span, window, cross_window)
+                if self.compiled_encoder is not None:
+                    # its graphs for a single row and for several (dynamo gives a size of 1 a graph of its own)
+                    for rows in sorted({1, min(2, self.max_batch_size)}):
+                        steps.run_dummy_encoder(self, rows)
         return len(shapes)
 
     def decode_shapes(self) -> list[tuple]:

@@ -117,7 +117,7 @@ def _encode(engine, workers: list[RequestWorker]) -> list:
             fill = engine.pad_token_id if key == "input_ids" else 0
             values = [_pad_right(v, longest, fill) for v in values]
         batch[key] = torch.cat(values, dim=0)
-    outputs = engine.model.get_encoder()(**batch)
+    outputs = _encoder_for(engine, batch)(**batch)
     hidden = outputs[0]  # [A, L_enc, d]
     results, start = [], 0
     for payload, length in zip(payloads, lengths, strict=True):
@@ -128,6 +128,40 @@ def _encode(engine, workers: list[RequestWorker]) -> list:
         results.append(BaseModelOutput(last_hidden_state=states.clone()))
         start += count
     return results
+
+
+def _encoder_for(engine, batch: dict):
+    """The compiled encoder (`compiled_encoder.py`) for token batches of two positions or more, else the eager one."""
+    ids = batch.get("input_ids")
+    compiled = (
+        engine.compiled_encoder is not None
+        and isinstance(ids, torch.Tensor)
+        and ids.shape[-1] > 1
+        and not batch.get("output_attentions")
+        and not batch.get("output_hidden_states")
+    )
+    if not compiled:
+        return engine.model.get_encoder()
+
+    def run(**kwargs):
+        with engine.compile_settings():
+            return engine.compiled_encoder(**kwargs)
+
+    return run
+
+
+def run_dummy_encoder(engine, rows: int) -> None:
+    """The compiled encoder on `rows` rows of two pad tokens (`warmup`), with the arguments a request's encoder call
+    passes (generate's, `generation.py`): compiles its graph for that many rows."""
+    ids = torch.full((rows, 2), engine.pad_token_id, dtype=torch.long, device=engine.model_device)
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "output_attentions": False,
+        "output_hidden_states": False,
+        "return_dict": True,
+    }
+    _encoder_for(engine, batch)(**batch)
 
 
 # --- prefills ---------------------------------------------------------------------------------------------------

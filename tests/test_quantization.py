@@ -27,8 +27,9 @@ pytest.importorskip("torchao")
 INT8_ATOL = 1e-4
 # Padded or compiled against eager int8: an activation rounded to the next int8 value moves scores by about a
 # quantization step (measured on the tiny T5, padded, eager and compiled alike: 0.183 on scores up to 18.7, 1%, at 8
-# bits; 0.396 on 17.0 at 7 bits, on an AMD EPYC without VNNI). A step is twice as large at 7 bits.
-INT8_RTOL = 0.02 * 2 ** (8 - int8_bits())
+# bits). At 7 bits (CPUs without VNNI) a step is twice as large, and the moves grow from layer to layer: measured on
+# an AMD EPYC Zen 3, T5 0.396 on 17.0 (2.3%), Marian 5.4% with the encoder eager and 7.4% compiled (slow tests).
+INT8_RTOL = 0.02 if int8_bits() == 8 else 0.1
 
 
 def assert_int8_tokens(expected, sequences: torch.Tensor) -> None:

@@ -15,7 +15,7 @@ from torch._dynamo.testing import CompileCounter
 from transformers import CompileConfig
 
 from tests.helpers import assert_same_padded_generation
-from tests.model_cases import BART, MODEL_CASES, T5, WHISPER
+from tests.model_cases import MODEL_CASES
 from transformers_flexcache import compile_config_for_cpu
 from transformers_flexcache.compiled_encoder import FlexCompileConfig
 
@@ -110,7 +110,14 @@ def test_padded_stream_with_compiled_forward_compiles_prefill_and_decode_once(ca
     assert graphs == [2] * len(COMPILE_STREAM)
 
 
-@pytest.mark.parametrize("case", [T5, BART, WHISPER], ids=lambda case: case.name)
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(case, id=case.name, marks=[] if case.name in ("t5", "bart", "whisper") else [pytest.mark.slow])
+        for case in MODEL_CASES
+        if case.build_config().is_encoder_decoder
+    ],
+)
 def test_compile_encoder_compiles_a_token_encoder_once_at_the_padded_shapes(case):
     # compile_config_for_cpu()'s FlexCompileConfig also compiles the encoder of a fixed-shape call, at its padded rows
     # and encoder length: one more graph over the whole stream. Whisper's log-mel encoder stays eager (token inputs
@@ -121,7 +128,8 @@ def test_compile_encoder_compiles_a_token_encoder_once_at_the_padded_shapes(case
     compile_config._compile_all_devices = True
     graphs = run_stream(case, upstream, flex, counter, compile_config=compile_config)
     # one encoder graph with dynamic shapes for calls of several rows, and one for a single row (the second call)
-    assert graphs == ([1] * len(COMPILE_STREAM) if case is WHISPER else [2] + [3] * (len(COMPILE_STREAM) - 1))
+    token_inputs = case.upstream_class.main_input_name == "input_ids"
+    assert graphs == ([2] + [3] * (len(COMPILE_STREAM) - 1) if token_inputs else [1] * len(COMPILE_STREAM))
 
 
 def test_compile_encoder_is_kept_out_of_torch_compiles_arguments_and_of_equality():

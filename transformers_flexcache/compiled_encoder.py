@@ -36,7 +36,7 @@ _NOT_FOR_THE_ENCODER = ("decoder_", "cross_attn", "use_cache", "cache")
 
 class FlexCompileConfig(CompileConfig):
     """Upstream's `CompileConfig`, whose `generate` compiles the decode step, plus `compile_encoder`: under a
-    fixed-shape policy, compile the encoder of an encoder-decoder call at the call's padded shapes too.
+    fixed-shape policy, compile the token encoder of an encoder-decoder call too, with dynamic shapes.
 
     `compile_encoder` is not one of `torch.compile`'s arguments: it is kept out of `to_dict()` (which upstream passes
     to `torch.compile`) and out of equality (the decode graphs do not depend on it).

@@ -194,38 +194,43 @@ def test_bucketed_stream_compiles_one_decode_graph_per_bucket_it_visits(case):
     assert counter.frame_count <= len(POLICIES["bucketed"].call_shapes(flex, config, max_new_tokens=3))
 
 
-@pytest.mark.parametrize("case", [pytest.param(T5, id="t5", marks=pytest.mark.slow), pytest.param(LLAMA, id="llama")])
-def test_warmup_compiles_every_bucket_so_that_a_stream_compiles_nothing_more(case):
+def warm_then_stream(case, compile_config, config, counter: CompileCounter, *, padded: bool) -> tuple[list, int]:
+    """`warmup()` under `config`, then STREAM, each call checked against upstream's DynamicCache (at the padded-call
+    tolerance where `padded`, else the default one); returns the shapes warmed and the graphs counted after the
+    warm-up (the caller compares them with `counter` after the stream)."""
     upstream, flex = case.build("sdpa")
-    counter = CompileCounter()
-    compile_config = CompileConfig(backend=counting_backend(counter), fullgraph=True, dynamic=False)
-    compile_config._compile_all_devices = True
-    config = bucketed_config(flex)
     generator = torch.Generator().manual_seed(1)
     shapes = warmup(
         flex,
         lambda b, n: case.make_inputs(b, n, generator),
         max_new_tokens=3,
-        cache_config=config,
+        cache_config=config(flex),
         compile_config=compile_config,
     )
+    warmed = counter.frame_count
+    for batch_size, length, new_tokens in STREAM:
+        inputs = case.make_inputs(batch_size, length, generator)
+        common = {"max_new_tokens": new_tokens, "do_sample": False}
+        expected, actual = generate_both(
+            upstream, flex, inputs, cache_config=config(flex), compile_config=compile_config, **common
+        )
+        if padded:
+            assert_same_padded_generation(upstream, flex, inputs, expected, actual, **common)
+        else:
+            assert_same_generation(expected, actual)
+    return shapes, warmed
+
+
+@pytest.mark.parametrize("case", [pytest.param(T5, id="t5", marks=pytest.mark.slow), pytest.param(LLAMA, id="llama")])
+def test_warmup_compiles_every_bucket_so_that_a_stream_compiles_nothing_more(case):
+    counter = CompileCounter()
+    compile_config = CompileConfig(backend=counting_backend(counter), fullgraph=True, dynamic=False)
+    compile_config._compile_all_devices = True
+    shapes, warmed = warm_then_stream(case, compile_config, bucketed_config, counter, padded=False)
     # rows 1, 2, 4 x lengths 6, 12; every new-token count up to 3 stays in decoder length bucket 8, except after a
     # decoder-only prompt of 12 (12 + 3 - 1 > 8): then only bucket 16
     assert len(shapes) == 3 * 2
-    warmed = counter.frame_count
     assert warmed <= len(shapes)
-    for batch_size, length, new_tokens in STREAM:
-        inputs = case.make_inputs(batch_size, length, generator)
-        expected, actual = generate_both(
-            upstream,
-            flex,
-            inputs,
-            cache_config=config,
-            max_new_tokens=new_tokens,
-            do_sample=False,
-            compile_config=compile_config,
-        )
-        assert_same_generation(expected, actual)
     assert counter.frame_count == warmed
 
 
@@ -234,38 +239,18 @@ def test_warmup_compiles_the_encoder_of_every_bucket_too_when_the_config_asks():
     # by warmup() beside the decode graphs; the stream (rows 1 to 4, lengths 3 to 12) then compiles nothing.
     from transformers_flexcache.compiled_encoder import FlexCompileConfig
 
-    upstream, flex = T5.build("sdpa")
     counter = CompileCounter()
     compile_config = FlexCompileConfig(backend=counting_backend(counter), fullgraph=True, dynamic=False)
     compile_config._compile_all_devices = True
-    config = bucketed_config(flex, buckets={"max_batch_size": [2]})  # rows 2 and 4, encoder length 12
-    generator = torch.Generator().manual_seed(1)
-    shapes = warmup(
-        flex,
-        lambda b, n: T5.make_inputs(b, n, generator),
-        max_new_tokens=3,
-        cache_config=config,
-        compile_config=compile_config,
+    # rows 2 and 4, encoder length 12
+    shapes, warmed = warm_then_stream(
+        T5, compile_config, lambda flex: bucketed_config(flex, buckets={"max_batch_size": [2]}), counter, padded=True
     )
     assert len(shapes) == 2
     # a decode graph per shape, one encoder graph (dynamic shapes) for several rows, and one for a single row, which
     # warmup() compiles with a call of its own (no bucket is one row here)
-    assert counter.frame_count == 2 + 2
-    for batch_size, length, new_tokens in STREAM:
-        inputs = T5.make_inputs(batch_size, length, generator)
-        expected, actual = generate_both(
-            upstream,
-            flex,
-            inputs,
-            cache_config=config,
-            max_new_tokens=new_tokens,
-            do_sample=False,
-            compile_config=compile_config,
-        )
-        assert_same_padded_generation(
-            upstream, flex, inputs, expected, actual, max_new_tokens=new_tokens, do_sample=False
-        )
-    assert counter.frame_count == 2 + 2
+    assert warmed == 2 + 2
+    assert counter.frame_count == warmed
 
 
 def test_call_shapes_are_every_combination_of_buckets_known_before_any_call():

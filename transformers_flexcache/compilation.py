@@ -35,7 +35,7 @@ from transformers import CompileConfig
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
 from .cache import CacheConfig
-from .compiled_encoder import FlexCompileConfig
+from .compiled_encoder import FlexCompileConfig, encoder_compiles
 from .linear_kernels import OneDNNLinears, resolve_linear_kernels
 from .padding import POLICIES, compile_settings
 from .request import FLEXIBLE_STATIC
@@ -62,9 +62,9 @@ def compile_config_for_cpu(
         linear_kernels (`str`, *optional*, defaults to `"auto"`): the kernels of the frozen fp32 linear layers:
             `"mkl"` (inductor's own choice), `"onednn"`, or `"auto"`: MKL on Intel CPUs, oneDNN on the others (as
             CTranslate2 chooses). oneDNN is set as an inductor post-grad pass (`OneDNNLinears`).
-        encoder (`bool`, *optional*, defaults to `True`): under a padded or bucketed `flexible_static` policy, compile
-            an encoder-decoder call's encoder too, at the call's padded rows and encoder length (`compiled_encoder.py`);
-            upstream's generate runs it eagerly.
+        encoder (`bool`, *optional*, defaults to `True`): under a padded or bucketed `flexible_static` policy (and in
+            the serving engine), compile an encoder-decoder call's token encoder too, with dynamic shapes
+            (`compiled_encoder.py`); upstream's generate runs it eagerly.
         **options: inductor settings added to (or replacing) `CPU_INDUCTOR_OPTIONS`, e.g. `cpp_wrapper=True`.
 
     Returns:
@@ -189,7 +189,7 @@ def _encoder_shapes(model, shapes: list, compile_config) -> list:
     """The call that compiles the encoder graph the shapes leave out: a compiled encoder (`compiled_encoder.py`) runs
     at the call's own rows with dynamic shapes, one graph for a single row and one for more. Each shape's call ran
     at its bucket's rows (the capacity always among them), so the single-row graph is missing where no bucket is 1."""
-    if not (getattr(compile_config, "compile_encoder", False) and model.config.is_encoder_decoder and shapes):
+    if not (encoder_compiles(model, compile_config) and shapes):
         return []
     if any(shape.batch_size == 1 for shape in shapes):
         return []

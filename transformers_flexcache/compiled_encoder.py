@@ -52,11 +52,22 @@ class FlexCompileConfig(CompileConfig):
         return arguments
 
 
-def compiles_encoder(model, generation_config, input_name: str, model_inputs: dict, *, candidates: bool) -> bool:
-    """Whether this call's encoder runs compiled (see the module docstring)."""
+def encoder_compiles(model, compile_config) -> bool:
+    """Whether `compile_config` compiles `model`'s encoder: it asks for it, and the model is a token
+    encoder-decoder model run on one device (see the module docstring)."""
     return bool(
-        getattr(generation_config.compile_config, "compile_encoder", False)
+        getattr(compile_config, "compile_encoder", False)
         and model.config.is_encoder_decoder
+        and model.main_input_name == "input_ids"
+        and not hasattr(model, "hf_device_map")  # accelerate's hooks move the encoder's inputs and outputs
+        and (getattr(model, "_tp_size", None) or 1) == 1
+    )
+
+
+def compiles_encoder(model, generation_config, input_name: str, model_inputs: dict, *, candidates: bool) -> bool:
+    """Whether this generate call's encoder runs compiled (see the module docstring)."""
+    return (
+        encoder_compiles(model, generation_config.compile_config)
         and not candidates
         and input_name == "input_ids"
         and isinstance(model_inputs.get("input_ids"), torch.Tensor)
@@ -64,8 +75,6 @@ def compiles_encoder(model, generation_config, input_name: str, model_inputs: di
         and model_inputs.get("encoder_outputs") is None
         and not generation_config.output_attentions
         and not generation_config.output_hidden_states
-        and not hasattr(model, "hf_device_map")  # accelerate's hooks move the encoder's inputs and outputs
-        and (getattr(model, "_tp_size", None) or 1) == 1
     )
 
 

@@ -87,7 +87,8 @@ def quantize(model: nn.Module, mode: str = "int8") -> nn.Module:
     except ImportError as error:
         raise ImportError(f'quantize(model, "{mode}") needs torchao: pip install torchao') from error
 
-    if int8_bits() == 7:
+    bits = int8_bits()
+    if bits == 7:
         logger.warning(
             "this CPU has no VNNI: int8 is quantized to 7 bits (8 would saturate oneDNN's int8 kernels), and its "
             "compiled int8 linears run slower than float32 ones here (AMD EPYC Zen 3, AVX2: 5x at one row). Use "
@@ -96,7 +97,7 @@ def quantize(model: nn.Module, mode: str = "int8") -> nn.Module:
     _untie_output_layer(model)
     quantize_(
         model,
-        Int8DynamicActivationInt8WeightConfig(set_inductor_config=False, reduce_range=int8_bits() < 8),
+        Int8DynamicActivationInt8WeightConfig(set_inductor_config=False, reduce_range=bits < 8),
         filter_fn=lambda module, name: isinstance(module, nn.Linear),
     )
     for name in ("_compiled_call", "_last_compile_config"):  # upstream's cached compiled call, float graphs
@@ -115,11 +116,11 @@ def int8_bits() -> int:
 def check_compiled_int8(model: nn.Module) -> None:
     """Raise a `ValueError` where `model` holds int8 weights at 8-bit ranges (quantized on a CPU with VNNI) and this
     CPU has none: its compiled int8 GEMMs would saturate (see the module docstring). Called before a compiled call
-    changes anything; float models pass at the cost of finding their first linear layer."""
-    first = next((module for module in model.modules() if isinstance(module, nn.Linear)), None)
-    if first is None or not _is_quantized(first.weight) or getattr(first.weight, "reduce_range", True):
+    changes anything; on a CPU without VNNI, float models pass at the cost of finding their first linear layer."""
+    if not _cpu_without_vnni():  # cached: nothing else runs on a CPU with VNNI
         return
-    if _cpu_without_vnni():
+    first = next((module for module in model.modules() if isinstance(module, nn.Linear)), None)
+    if first is not None and _is_quantized(first.weight) and not getattr(first.weight, "reduce_range", True):
         raise ValueError(
             "this model's int8 weights use 8-bit ranges, which oneDNN's compiled int8 kernels saturate on this CPU "
             "(no VNNI: AVX2 only), giving wrong outputs: quantize the float model on this machine "
@@ -129,7 +130,11 @@ def check_compiled_int8(model: nn.Module) -> None:
 
 @functools.cache
 def _cpu_without_vnni() -> bool:
-    return int8_bits() == 7
+    """Whether int8 runs at 7 bits here; False without torchao (no model then holds its int8 weights)."""
+    try:
+        return int8_bits() == 7
+    except ImportError:
+        return False
 
 
 def quantization_of(model: nn.Module) -> str | None:

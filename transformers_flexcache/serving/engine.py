@@ -39,7 +39,7 @@ from ..cache.config import Overflow, overflow_message
 from ..cache.placement import KEY_PROJECTION_NAMES, attention_modules
 from ..cache.seats import FlexibleSeatCache, FlexibleSeatEncoderDecoderCache
 from ..compilation import compile_settings, explained_recompile_limit
-from ..compiled_encoder import compiled_encoder
+from ..compiled_encoder import compiled_encoder, encoder_compiles
 from ..quantization import check_compiled_int8
 from . import steps
 from .handle import EngineClosedError, QueueFullError, RequestCancelledError, RequestHandle
@@ -124,13 +124,7 @@ class Engine:
         self.decode_forward = model.get_compiled_call(compile_config) if compile_config is not None else model
         # A FlexCompileConfig (compile_config_for_cpu()) compiles the batched token encoder too, with dynamic shapes.
         self.compiled_encoder = (
-            compiled_encoder(model, compile_config)
-            if self.is_encoder_decoder
-            and getattr(compile_config, "compile_encoder", False)
-            and model.main_input_name == "input_ids"
-            and (getattr(model, "_tp_size", None) or 1) == 1
-            and not hasattr(model, "hf_device_map")
-            else None
+            compiled_encoder(model, compile_config) if encoder_compiles(model, compile_config) else None
         )
         self._mask_fill = torch.finfo(model.dtype).min if model.config._attn_implementation == "eager" else None
 

@@ -29,7 +29,20 @@ SHAPES = {
 SHAPES["whisper"] = [(3, WHISPER_MAX_SOURCE_POSITIONS), (1, WHISPER_MAX_SOURCE_POSITIONS)]
 
 
-@pytest.mark.parametrize("model_type", [name for name in ONE_LAYER if name not in NOT_LOWERABLE])
+# Copies of an exported architecture (BART's translation family, generic decoder-only types) go through the same
+# command; their CLI runs (half a minute each on a slow CPU) run with -m slow. The default run exports BART and
+# Mistral here and Marian in process (tests/export/test_programs.py).
+SLOW_CLI_TYPES = {"marian", "m2m_100", "mbart", "pegasus", "qwen2", "qwen3", "gemma3_text"}
+
+
+@pytest.mark.parametrize(
+    "model_type",
+    [
+        pytest.param(name, marks=[pytest.mark.slow] if name in SLOW_CLI_TYPES else [])
+        for name in ONE_LAYER
+        if name not in NOT_LOWERABLE
+    ],
+)
 def test_cli_export_of_each_model_type_generates_eager_tokens_in_executorch(cli_exports, model_type):
     upstream, path, _ = cli_exports[model_type]
     runner = ExecuTorchPrograms(path)

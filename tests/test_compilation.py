@@ -12,10 +12,10 @@ import torch
 from transformers import CompileConfig
 
 from tests.helpers import assert_same_generation, generate_both
-from tests.model_cases import LLAMA
+from tests.model_cases import LLAMA, T5
 from transformers_flexcache import compile_config_for_cpu, linear_kernels
 from transformers_flexcache.compilation import compile_settings
-from transformers_flexcache.linear_kernels import OneDNNLinears
+from transformers_flexcache.linear_kernels import OneDNNLinears, OneRowLinears
 
 
 @pytest.fixture(autouse=True)
@@ -37,20 +37,59 @@ def recording_backend(seen: list):
 
 
 def test_compile_config_for_cpu_freezes_weights_without_dynamic_shapes_and_compiles_on_cpu():
-    config = compile_config_for_cpu(linear_kernels="mkl")
+    config = compile_config_for_cpu(linear_kernels="mkl", one_row_linears="library")
     assert config.backend == "inductor" and config.dynamic is False and config.fullgraph is True
     assert config.options == {"freezing": True} and config.mode is None
     assert config._compile_all_devices is True
-    options = compile_config_for_cpu(linear_kernels="mkl", cpp_wrapper=True).options
+    options = compile_config_for_cpu(linear_kernels="mkl", one_row_linears="library", cpp_wrapper=True).options
     assert options == {"freezing": True, "cpp_wrapper": True}
 
 
 def test_onednn_linear_kernels_are_an_inductor_post_grad_pass_and_configs_with_it_compare_equal():
-    config = compile_config_for_cpu(linear_kernels="onednn")
-    assert config.options == {"freezing": True, "post_grad_custom_post_pass": OneDNNLinears()}
+    config = compile_config_for_cpu(linear_kernels="onednn", one_row_linears="library")
+    assert config.options == {"freezing": True, "post_grad_custom_post_pass": (OneDNNLinears(),)}
     # upstream's generate keeps its compiled call while the config compares equal
-    assert compile_config_for_cpu(linear_kernels="onednn") == config
+    assert compile_config_for_cpu(linear_kernels="onednn", one_row_linears="library") == config
     assert OneDNNLinears().uuid() == OneDNNLinears().uuid()
+
+
+def test_one_row_linears_run_first_and_each_pass_keys_inductor_s_cache_apart():
+    config = compile_config_for_cpu(linear_kernels="onednn", one_row_linears="inductor")
+    assert config.options["post_grad_custom_post_pass"] == (OneRowLinears(), OneDNNLinears())
+    assert compile_config_for_cpu(linear_kernels="onednn", one_row_linears="inductor") == config
+    assert compile_config_for_cpu(linear_kernels="mkl", one_row_linears="inductor").options == {
+        "freezing": True,
+        "post_grad_custom_post_pass": (OneRowLinears(),),
+    }
+    assert OneRowLinears().uuid() == OneRowLinears().uuid() != OneDNNLinears().uuid()
+
+
+@pytest.mark.parametrize(("vendor", "expected"), [("GenuineIntel", "library"), ("AuthenticAMD", "inductor")])
+def test_auto_one_row_linears_are_inductor_s_where_the_cpu_is_not_intel_s(monkeypatch, vendor, expected):
+    monkeypatch.setattr(linear_kernels, "cpu_vendor", lambda: vendor)
+    assert linear_kernels.resolve_one_row_linears("auto") == expected
+
+
+def test_unknown_one_row_linears_are_refused_with_the_choices():
+    with pytest.raises(ValueError, match=r"one_row_linears='mv' is not one of \('auto', 'inductor', 'library'\)"):
+        compile_config_for_cpu(one_row_linears="mv")
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_one_row_pass_runs_linears_of_one_row_as_inductor_s_dot_products_and_others_on_onednn(rows):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8, bias=False)).eval()
+    inputs = torch.randn(rows, 16)
+    config = compile_config_for_cpu(linear_kernels="onednn", one_row_linears="inductor")
+    with torch.no_grad(), compile_settings(config):
+        compiled = torch.compile(model, backend="inductor", dynamic=False, options=config.options)
+        actual = compiled(inputs)
+        with torch.profiler.profile() as profile:
+            compiled(inputs)
+    ops = {event.key for event in profile.key_averages()}
+    assert "mkl::_mkl_linear" not in ops
+    assert ("mkldnn::_linear_pointwise" in ops) == (rows > 1)
+    torch.testing.assert_close(actual, model(inputs))
 
 
 @pytest.mark.parametrize(
@@ -71,7 +110,7 @@ def test_onednn_pass_runs_the_frozen_linears_on_onednn_with_the_eager_outputs():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8, bias=False)).eval()
     inputs = torch.randn(3, 16)
-    config = compile_config_for_cpu(linear_kernels="onednn")
+    config = compile_config_for_cpu(linear_kernels="onednn", one_row_linears="library")
     with torch.no_grad(), compile_settings(config):
         compiled = torch.compile(model, backend="inductor", dynamic=False, options=config.options)
         actual = compiled(inputs)
@@ -157,6 +196,36 @@ def test_frozen_inductor_bucketed_stream_after_warmup_gives_dynamic_cache_tokens
             )
             assert_same_generation(expected, actual, atol=1e-4)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.parametrize("case", [LLAMA, T5], ids=lambda case: case.name)
+def test_frozen_one_row_decode_step_gives_dynamic_cache_tokens(case):
+    # A batch of one in a one-row bucket: every linear of the decode step is inductor's dot product.
+    upstream, flex = case.build("sdpa")
+    cache_config = {
+        "shape_policy": "bucketed",
+        "max_batch_size": 2,
+        "max_cache_len": 12,
+        "buckets": {"max_batch_size": [1]},
+    }
+    cache_config.update({"max_prompt_len": 6} if case is LLAMA else {"max_encoder_len": 8})
+    generator = torch.Generator().manual_seed(0)
+    for length in (5, 3):
+        with torch.profiler.profile() as profile:
+            expected, actual = generate_both(
+                upstream,
+                flex,
+                case.make_inputs(1, length, generator),
+                cache_config=cache_config,
+                max_new_tokens=6,
+                do_sample=False,
+                compile_config=compile_config_for_cpu(one_row_linears="inductor", encoder=False),
+            )
+        assert_same_generation(expected, actual, atol=1e-4)
+    # The second call ran the compiled step (the first one's compiling ran the library's linears on the weights).
+    ops = {event.key for event in profile.key_averages()}
+    assert any(op.startswith("Torch-Compiled Region") for op in ops), ops
+    assert not ops & {"mkl::_mkl_linear", "mkldnn::_linear_pointwise"}  # eager steps run aten's linear
 
 
 @pytest.mark.slow

@@ -36,7 +36,7 @@ from transformers.generation.stopping_criteria import StoppingCriteria, Stopping
 
 from .cache import CacheConfig
 from .compiled_encoder import FlexCompileConfig, encoder_compiles
-from .linear_kernels import OneDNNLinears, resolve_linear_kernels
+from .linear_kernels import OneDNNLinears, OneRowLinears, resolve_linear_kernels, resolve_one_row_linears
 from .padding import POLICIES, compile_settings
 from .request import FLEXIBLE_STATIC
 
@@ -53,7 +53,12 @@ __all__ = [
 
 
 def compile_config_for_cpu(
-    *, fullgraph: bool = True, linear_kernels: str = "auto", encoder: bool = True, **options
+    *,
+    fullgraph: bool = True,
+    linear_kernels: str = "auto",
+    one_row_linears: str = "auto",
+    encoder: bool = True,
+    **options,
 ) -> CompileConfig:
     """A `CompileConfig` that compiles generate's decode step for speed on CPU.
 
@@ -62,6 +67,10 @@ def compile_config_for_cpu(
         linear_kernels (`str`, *optional*, defaults to `"auto"`): the kernels of the frozen fp32 linear layers:
             `"mkl"` (inductor's own choice), `"onednn"`, or `"auto"`: MKL on Intel CPUs, oneDNN on the others (as
             CTranslate2 chooses). oneDNN is set as an inductor post-grad pass (`OneDNNLinears`).
+        one_row_linears (`str`, *optional*, defaults to `"auto"`): the frozen fp32 linears of a graph of one row (a
+            decode step at batch 1): `"inductor"` (a dot product per output that inductor generates, reading the
+            weight once: `OneRowLinears`), `"library"` (the `linear_kernels` above), or `"auto"`: inductor's where
+            the CPU is not Intel's. On an AMD EPYC Zen 3 T5's step at batch 1 took 22 ms against oneDNN's 30.
         encoder (`bool`, *optional*, defaults to `True`): under a padded or bucketed `flexible_static` policy (and in
             the serving engine), compile an encoder-decoder call's token encoder too, with dynamic shapes
             (`compiled_encoder.py`); upstream's generate runs it eagerly.
@@ -72,7 +81,8 @@ def compile_config_for_cpu(
         above; compiling on CPU enabled.
 
     Raises:
-        ValueError: `linear_kernels` is not one of `"auto"`, `"onednn"`, `"mkl"`.
+        ValueError: `linear_kernels` is not one of `"auto"`, `"onednn"`, `"mkl"`, or `one_row_linears` not one of
+            `"auto"`, `"inductor"`, `"library"`.
 
     Example:
 
@@ -85,9 +95,12 @@ def compile_config_for_cpu(
     ... )
     ```
     """
-    kernel_options = {}
+    passes = []  # one-row linears first: `OneDNNLinears` repacks whichever MKL linears are left
+    if resolve_one_row_linears(one_row_linears) == "inductor":
+        passes.append(OneRowLinears())
     if resolve_linear_kernels(linear_kernels) == "onednn":
-        kernel_options["post_grad_custom_post_pass"] = OneDNNLinears()
+        passes.append(OneDNNLinears())
+    kernel_options = {"post_grad_custom_post_pass": tuple(passes)} if passes else {}
     config = FlexCompileConfig(
         compile_encoder=encoder,
         fullgraph=fullgraph,

@@ -12,6 +12,14 @@ Design decisions:
   patched, and inductor's on-disk cache keys on the pass (`uuid`). It runs after freezing, so it repacks each frozen
   weight for oneDNN once, at compile time, and drops the MKL copy; the graph then calls oneDNN's linear, as inductor
   itself does for bf16 weights. Linears that freezing did not pack (no frozen weight) are left alone.
+- At one row (a decode step of one sequence: freezing packs it with `batch_size == 1`) a linear is a matrix-vector
+  product bound by reading the weight. There, on a 2-vCPU AMD EPYC Zen 3 (AVX2, one thread), both libraries read
+  T5's decoder weights and output layer (154 MB) more slowly than a plain vectorized dot product: one forward of
+  those linears alone 28-29 ms with oneDNN (MKL's the same), 21-23 ms as multiply-and-sum that inductor generates;
+  T5's whole bucketed step at batch 1 30.3 ms against 22.1 (CTranslate2's 21.3: its DNNL `sgemm`), measured side
+  by side. `OneRowLinears` makes that rewrite, before `OneDNNLinears`. At 2-4 rows the same rewrite reads the
+  weight once per row and loses (4 rows: 53 against 47 ms), so it is for one row only. `"auto"` applies it where
+  the CPU is not Intel's; on Intel CPUs (MKL) it is not measured yet.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 LINEAR_KERNELS = ("auto", "onednn", "mkl")
+ONE_ROW_LINEARS = ("auto", "inductor", "library")
 
 
 @functools.cache
@@ -47,6 +56,32 @@ def resolve_linear_kernels(linear_kernels: str) -> str:
     return linear_kernels
 
 
+def _uuid(self) -> str:
+    return get_hash_for_files((__file__,), type(self).__name__).hex()  # inductor's cache keys on it
+
+
+def _same_type(self, other) -> bool:
+    return type(other) is type(self)
+
+
+def _type_hash(self) -> int:
+    return hash(type(self))
+
+
+def resolve_one_row_linears(one_row_linears: str) -> str:
+    """`"inductor"` or `"library"` for `one_row_linears`: `"auto"` is inductor's dot products where the CPU is not
+    Intel's (measured faster there) and the library's kernel (MKL) on Intel CPUs (not measured yet).
+
+    Raises:
+        ValueError: `one_row_linears` is not one of `ONE_ROW_LINEARS`.
+    """
+    if one_row_linears not in ONE_ROW_LINEARS:
+        raise ValueError(f"one_row_linears={one_row_linears!r} is not one of {ONE_ROW_LINEARS}")
+    if one_row_linears == "auto":
+        return "library" if cpu_vendor() == "GenuineIntel" else "inductor"
+    return one_row_linears
+
+
 class OneDNNLinears(CustomGraphPass):
     """Inductor post-grad pass: every MKL-packed frozen linear (`mkl._mkl_linear`) becomes oneDNN's
     (`mkldnn._linear_pointwise`) on the same weight, repacked for oneDNN at compile time.
@@ -61,7 +96,7 @@ class OneDNNLinears(CustomGraphPass):
         for node in list(graph.nodes):
             if node.target not in (torch.ops.mkl._mkl_linear, torch.ops.mkl._mkl_linear.default):
                 continue
-            # mkl._mkl_linear(input, mkl_packed_weight, weight_t, bias, batch_size): weight_t [K, N], frozen
+            # mkl._mkl_linear(input, mkl_packed_weight, origin_weight, bias, batch_size): origin_weight [N, K], frozen
             inputs, packed, weight_t, bias, batch_size = node.args
             if weight_t.op != "get_attr" or packed.op != "get_attr":
                 continue
@@ -85,11 +120,70 @@ class OneDNNLinears(CustomGraphPass):
         for target in replaced - used:  # the MKL copies: freed rather than kept beside oneDNN's
             delattr(module, target)
 
-    def uuid(self) -> str:
-        return get_hash_for_files((__file__,)).hex()
+    uuid = _uuid
+    __eq__ = _same_type
+    __hash__ = _type_hash
 
-    def __eq__(self, other) -> bool:
-        return type(other) is type(self)
 
-    def __hash__(self) -> int:
-        return hash(type(self))
+class OneRowLinears(CustomGraphPass):
+    """Inductor post-grad pass: a frozen fp32 linear of one row (`mkl._mkl_linear` with `batch_size == 1`: a decode
+    step of one sequence) becomes a multiply and a sum over the input features, which inductor generates as one
+    vectorized dot product per output reading the weight once, row by row ([N, K], copied contiguous at compile time
+    where it is not).
+
+    Run before `OneDNNLinears` (which takes the other linears). Every instance is equal, as for `OneDNNLinears`.
+    """
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        module = graph.owning_module
+        replaced = set()
+        for node in list(graph.nodes):
+            if node.target not in (torch.ops.mkl._mkl_linear, torch.ops.mkl._mkl_linear.default):
+                continue
+            # mkl._mkl_linear(input [..., K], mkl_packed_weight, origin_weight [N, K], bias [N] or None, batch_size)
+            inputs, packed, weight_t, bias, batch_size = node.args
+            if batch_size != 1 or weight_t.op != "get_attr" or packed.op != "get_attr":
+                continue
+            weight = getattr(module, weight_t.target)  # the frozen weight, [N, K] (what upstream's `F.linear` takes)
+            if weight.dim() != 2 or weight.shape[1] != inputs.meta["val"].shape[-1]:
+                continue
+            if not weight.is_contiguous():
+                name = f"{weight_t.target}_rows"
+                if not hasattr(module, name):
+                    module.register_buffer(name, weight.contiguous())
+            fake_mode = torch._guards.detect_fake_mode([inputs.meta["val"]])
+            with graph.inserting_before(node):
+                weight = weight_t if weight.is_contiguous() else graph.get_attr(f"{weight_t.target}_rows")
+                # [..., K] -> [..., 1, K] * [N, K] -> [..., N, K] -> sum over K -> [..., N]
+                row = _call(graph, fake_mode, torch.ops.aten.unsqueeze.default, inputs, -2)
+                products = _call(graph, fake_mode, torch.ops.aten.mul.Tensor, row, weight)
+                out = _call(graph, fake_mode, torch.ops.aten.sum.dim_IntList, products, [-1])
+                if bias is not None:
+                    out = _call(graph, fake_mode, torch.ops.aten.add.Tensor, out, bias)
+            node.replace_all_uses_with(out)
+            graph.erase_node(node)
+            replaced.update((packed.target, weight_t.target))
+        if not replaced:
+            return
+        graph.eliminate_dead_code()
+        used = {node.target for node in graph.nodes if node.op == "get_attr"}
+        for target in replaced - used:  # MKL's packed copy (and a weight copied contiguous): freed
+            delattr(module, target)
+
+    uuid = _uuid
+    __eq__ = _same_type
+    __hash__ = _type_hash
+
+
+def _call(graph: torch.fx.Graph, fake_mode, target, *args) -> torch.fx.Node:
+    """A `call_function` node of `target(*args)` with its fake value in `meta["val"]`, as inductor's lowering reads."""
+    node = graph.call_function(target, args)
+    node.meta["val"] = target(*(_value(arg, fake_mode) if isinstance(arg, torch.fx.Node) else arg for arg in args))
+    return node
+
+
+def _value(node: torch.fx.Node, fake_mode):
+    """The fake value of `node`: its `meta["val"]`, or for a constant (`get_attr`) one made from the tensor."""
+    if "val" not in node.meta:
+        node.meta["val"] = fake_mode.from_tensor(getattr(node.graph.owning_module, node.target), static_shapes=True)
+    return node.meta["val"]

@@ -82,6 +82,29 @@ def resolve_one_row_linears(one_row_linears: str) -> str:
     return one_row_linears
 
 
+def _frozen_mkl_linears(graph: torch.fx.Graph):
+    """`(node, (input, packed weight, weight, bias, batch_size))` for each MKL-packed frozen linear of `graph`:
+    `mkl._mkl_linear(input [..., K], mkl_packed_weight, origin_weight [N, K], bias [N] or None, batch_size)`, whose
+    packed and original weights are constants (`get_attr`)."""
+    for node in list(graph.nodes):
+        if node.target not in (torch.ops.mkl._mkl_linear, torch.ops.mkl._mkl_linear.default):
+            continue
+        inputs, packed, weight, bias, batch_size = node.args
+        if weight.op == "get_attr" and packed.op == "get_attr":
+            yield node, (inputs, packed, weight, bias, batch_size)
+
+
+def _free_unused(graph: torch.fx.Graph, targets: set) -> None:
+    """Drops the dead nodes of `graph`, then those of the constants `targets` that no node reads any more (MKL's
+    packed copies): freed rather than kept beside what replaced them."""
+    if not targets:
+        return
+    graph.eliminate_dead_code()
+    used = {node.target for node in graph.nodes if node.op == "get_attr"}
+    for target in targets - used:
+        delattr(graph.owning_module, target)
+
+
 class OneDNNLinears(CustomGraphPass):
     """Inductor post-grad pass: every MKL-packed frozen linear (`mkl._mkl_linear`) becomes oneDNN's
     (`mkldnn._linear_pointwise`) on the same weight, repacked for oneDNN at compile time.
@@ -93,17 +116,12 @@ class OneDNNLinears(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         module = graph.owning_module
         replaced = set()
-        for node in list(graph.nodes):
-            if node.target not in (torch.ops.mkl._mkl_linear, torch.ops.mkl._mkl_linear.default):
-                continue
-            # mkl._mkl_linear(input, mkl_packed_weight, origin_weight, bias, batch_size): origin_weight [N, K], frozen
-            inputs, packed, weight_t, bias, batch_size = node.args
-            if weight_t.op != "get_attr" or packed.op != "get_attr":
-                continue
-            name = f"{weight_t.target}_onednn"
+        for node, (inputs, packed, weight, bias, batch_size) in _frozen_mkl_linears(graph):
+            name = f"{weight.target}_onednn"
             if not hasattr(module, name):
-                weight = getattr(module, weight_t.target)
-                module.register_buffer(name, torch.ops.mkldnn._reorder_linear_weight(weight, batch_size))
+                module.register_buffer(
+                    name, torch.ops.mkldnn._reorder_linear_weight(getattr(module, weight.target), batch_size)
+                )
             with graph.inserting_before(node):
                 onednn_weight = graph.get_attr(name)
                 linear = graph.call_function(
@@ -112,13 +130,8 @@ class OneDNNLinears(CustomGraphPass):
             linear.meta.update(node.meta)
             node.replace_all_uses_with(linear)
             graph.erase_node(node)
-            replaced.update((packed.target, weight_t.target))
-        if not replaced:
-            return
-        graph.eliminate_dead_code()
-        used = {node.target for node in graph.nodes if node.op == "get_attr"}
-        for target in replaced - used:  # the MKL copies: freed rather than kept beside oneDNN's
-            delattr(module, target)
+            replaced.update((packed.target, weight.target))
+        _free_unused(graph, replaced)
 
     uuid = _uuid
     __eq__ = _same_type
@@ -128,8 +141,7 @@ class OneDNNLinears(CustomGraphPass):
 class OneRowLinears(CustomGraphPass):
     """Inductor post-grad pass: a frozen fp32 linear of one row (`mkl._mkl_linear` with `batch_size == 1`: a decode
     step of one sequence) becomes a multiply and a sum over the input features, which inductor generates as one
-    vectorized dot product per output reading the weight once, row by row ([N, K], copied contiguous at compile time
-    where it is not).
+    vectorized dot product per output, reading the weight ([N, K], contiguous) once, row by row.
 
     Run before `OneDNNLinears` (which takes the other linears). Every instance is equal, as for `OneDNNLinears`.
     """
@@ -137,23 +149,12 @@ class OneRowLinears(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         module = graph.owning_module
         replaced = set()
-        for node in list(graph.nodes):
-            if node.target not in (torch.ops.mkl._mkl_linear, torch.ops.mkl._mkl_linear.default):
+        for node, (inputs, packed, weight, bias, batch_size) in _frozen_mkl_linears(graph):
+            value = getattr(module, weight.target)
+            if batch_size != 1 or not value.is_contiguous() or value.shape[-1] != inputs.meta["val"].shape[-1]:
                 continue
-            # mkl._mkl_linear(input [..., K], mkl_packed_weight, origin_weight [N, K], bias [N] or None, batch_size)
-            inputs, packed, weight_t, bias, batch_size = node.args
-            if batch_size != 1 or weight_t.op != "get_attr" or packed.op != "get_attr":
-                continue
-            weight = getattr(module, weight_t.target)  # the frozen weight, [N, K] (what upstream's `F.linear` takes)
-            if weight.dim() != 2 or weight.shape[1] != inputs.meta["val"].shape[-1]:
-                continue
-            if not weight.is_contiguous():
-                name = f"{weight_t.target}_rows"
-                if not hasattr(module, name):
-                    module.register_buffer(name, weight.contiguous())
             fake_mode = torch._guards.detect_fake_mode([inputs.meta["val"]])
             with graph.inserting_before(node):
-                weight = weight_t if weight.is_contiguous() else graph.get_attr(f"{weight_t.target}_rows")
                 # [..., K] -> [..., 1, K] * [N, K] -> [..., N, K] -> sum over K -> [..., N]
                 row = _call(graph, fake_mode, torch.ops.aten.unsqueeze.default, inputs, -2)
                 products = _call(graph, fake_mode, torch.ops.aten.mul.Tensor, row, weight)
@@ -162,13 +163,8 @@ class OneRowLinears(CustomGraphPass):
                     out = _call(graph, fake_mode, torch.ops.aten.add.Tensor, out, bias)
             node.replace_all_uses_with(out)
             graph.erase_node(node)
-            replaced.update((packed.target, weight_t.target))
-        if not replaced:
-            return
-        graph.eliminate_dead_code()
-        used = {node.target for node in graph.nodes if node.op == "get_attr"}
-        for target in replaced - used:  # MKL's packed copy (and a weight copied contiguous): freed
-            delattr(module, target)
+            replaced.add(packed.target)  # the weight itself stays: the products read it
+        _free_unused(graph, replaced)
 
     uuid = _uuid
     __eq__ = _same_type

@@ -12,7 +12,7 @@ import torch
 from transformers import CompileConfig
 
 from tests.helpers import assert_same_generation, generate_both
-from tests.model_cases import LLAMA, T5
+from tests.model_cases import BART, LLAMA, T5
 from transformers_flexcache import compile_config_for_cpu, linear_kernels
 from transformers_flexcache.compilation import compile_settings
 from transformers_flexcache.linear_kernels import OneDNNLinears, OneRowLinears
@@ -198,9 +198,10 @@ def test_frozen_inductor_bucketed_stream_after_warmup_gives_dynamic_cache_tokens
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
-@pytest.mark.parametrize("case", [LLAMA, T5], ids=lambda case: case.name)
+@pytest.mark.parametrize("case", [LLAMA, T5, BART], ids=lambda case: case.name)
 def test_frozen_one_row_decode_step_gives_dynamic_cache_tokens(case):
-    # A batch of one in a one-row bucket: every linear of the decode step is inductor's dot product.
+    # A batch of one in a one-row bucket: every linear of the decode step is inductor's dot product (BART's with
+    # biases).
     upstream, flex = case.build("sdpa")
     cache_config = {
         "shape_policy": "bucketed",

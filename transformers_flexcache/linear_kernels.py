@@ -49,11 +49,26 @@ def resolve_linear_kernels(linear_kernels: str) -> str:
     Raises:
         ValueError: `linear_kernels` is not one of `LINEAR_KERNELS`.
     """
-    if linear_kernels not in LINEAR_KERNELS:
-        raise ValueError(f"linear_kernels={linear_kernels!r} is not one of {LINEAR_KERNELS}")
-    if linear_kernels == "auto":
-        return "mkl" if cpu_vendor() == "GenuineIntel" else "onednn"
-    return linear_kernels
+    return _resolve("linear_kernels", linear_kernels, LINEAR_KERNELS, on_intel="mkl", elsewhere="onednn")
+
+
+def resolve_one_row_linears(one_row_linears: str) -> str:
+    """`"inductor"` or `"library"` for `one_row_linears`: `"auto"` is inductor's dot products where the CPU is not
+    Intel's (measured faster there) and the library's kernel (MKL) on Intel CPUs (not measured yet).
+
+    Raises:
+        ValueError: `one_row_linears` is not one of `ONE_ROW_LINEARS`.
+    """
+    return _resolve("one_row_linears", one_row_linears, ONE_ROW_LINEARS, on_intel="library", elsewhere="inductor")
+
+
+def _resolve(name: str, value: str, choices: tuple[str, ...], *, on_intel: str, elsewhere: str) -> str:
+    """`value`, with `"auto"` resolved by the CPU's vendor; refuses a value outside `choices`."""
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not one of {choices}")
+    if value == "auto":
+        return on_intel if cpu_vendor() == "GenuineIntel" else elsewhere
+    return value
 
 
 def _uuid(self) -> str:
@@ -66,20 +81,6 @@ def _same_type(self, other) -> bool:
 
 def _type_hash(self) -> int:
     return hash(type(self))
-
-
-def resolve_one_row_linears(one_row_linears: str) -> str:
-    """`"inductor"` or `"library"` for `one_row_linears`: `"auto"` is inductor's dot products where the CPU is not
-    Intel's (measured faster there) and the library's kernel (MKL) on Intel CPUs (not measured yet).
-
-    Raises:
-        ValueError: `one_row_linears` is not one of `ONE_ROW_LINEARS`.
-    """
-    if one_row_linears not in ONE_ROW_LINEARS:
-        raise ValueError(f"one_row_linears={one_row_linears!r} is not one of {ONE_ROW_LINEARS}")
-    if one_row_linears == "auto":
-        return "library" if cpu_vendor() == "GenuineIntel" else "inductor"
-    return one_row_linears
 
 
 def _frozen_mkl_linears(graph: torch.fx.Graph):

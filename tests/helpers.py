@@ -129,8 +129,10 @@ def padded_like_the_policy(model, inputs: dict, *, num_inputs: int, encoder_len:
             if "encoder_outputs" not in padded:
                 with torch.no_grad():
                     padded["encoder_outputs"] = model.get_encoder()(**padded)
+                # the encoder's inputs are now its outputs; a decoder prompt (`decoder_input_ids`) stays
                 for key in [key for key in padded if key not in ("encoder_outputs", "attention_mask")]:
-                    del padded[key]
+                    if not key.startswith("decoder_"):
+                        del padded[key]
             hidden = padded["encoder_outputs"][0]
             mask = padded.get("attention_mask")
             mask = torch.ones(hidden.shape[:2], dtype=torch.long) if mask is None else mask

@@ -96,7 +96,8 @@ def test_padded_stream_with_generate_compile_config_compiles_the_decode_step_onc
     compile_config = CompileConfig(backend=counting_backend(counter), fullgraph=True)
     compile_config._compile_all_devices = True  # generate compiles on CPU only when asked to
     graphs = run_stream(case, upstream, flex, counter, compile_config=compile_config)
-    # generate runs the prefill eagerly and compiles the decode step: one graph, traced during the first call
+    # generate compiles the decode step: one graph, traced during the first call (an encoder-decoder call's first
+    # decoder step runs in it too: test_first_decoder_step_...; a decoder-only prefill runs eagerly)
     assert graphs == [1] * len(COMPILE_STREAM)
 
 
@@ -137,3 +138,56 @@ def test_compile_encoder_is_kept_out_of_torch_compiles_arguments_and_of_equality
     assert "compile_encoder" not in config.to_dict()
     assert config == FlexCompileConfig(fullgraph=True, compile_encoder=False)  # the same decode graphs
     assert compile_config_for_cpu().compile_encoder and not compile_config_for_cpu(encoder=False).compile_encoder
+
+
+def running_backend(counter: CompileCounter, runs: list):
+    """`counting_backend` whose graphs also count their runs in `runs`."""
+
+    def backend(graph_module, example_inputs, **kwargs):
+        graph = counter(graph_module, example_inputs)
+
+        def run(*args):
+            runs.append(len(args))
+            return graph(*args)
+
+        return run
+
+    return backend
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(case, id=case.name, marks=[] if case.name in ("t5", "bart", "pix2struct") else [pytest.mark.slow])
+        for case in MODEL_CASES
+        if case.build_config().is_encoder_decoder and case.name != "whisper"
+    ],
+)
+def test_first_decoder_step_of_a_compiled_fixed_shape_call_runs_in_the_decode_graph(case):
+    # Upstream runs an encoder-decoder call's first decoder step eagerly; here it runs in the compiled decode graph
+    # (its cross-attention keys projected beforehand): the graph runs once per new token, and no graph is added.
+    # A decoder prompt of two tokens is a prefill of two positions: eager, as upstream's.
+    upstream, flex = case.build("sdpa")
+    counter, runs = CompileCounter(), []
+    compile_config = CompileConfig(backend=running_backend(counter, runs), fullgraph=True)
+    compile_config._compile_all_devices = True
+    generator = torch.Generator().manual_seed(0)
+    common = {"return_dict_in_generate": True, "output_scores": True, "do_sample": False, **case.generate_kwargs}
+    start = upstream.generation_config.decoder_start_token_id
+    for batch_size, length, new_tokens, prompt in [(3, 9, 3, 1), (1, 5, 4, 1), (2, 7, 3, 2), (4, 12, 3, 1)]:
+        inputs = case.make_inputs(batch_size, length, generator)
+        if prompt > 1:
+            inputs["decoder_input_ids"] = torch.tensor([[start, 7]] * batch_size)
+        runs.clear()
+        kwargs = {**common, "max_new_tokens": new_tokens}
+        expected = upstream.generate(**inputs, **kwargs)
+        actual = flex.generate(
+            **inputs,
+            cache_implementation="flexible_static",
+            cache_config=padded_config(flex),
+            compile_config=compile_config,
+            **kwargs,
+        )
+        assert_same_padded_generation(upstream, flex, inputs, expected, actual, **kwargs)
+        assert len(runs) == (new_tokens if prompt == 1 else new_tokens - 1), (batch_size, length, prompt)
+    assert counter.frame_count == 1

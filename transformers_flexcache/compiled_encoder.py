@@ -1,4 +1,5 @@
-"""The encoder of a compiled fixed-shape call, compiled too: one graph with dynamic shapes.
+"""What upstream's compiled `generate` runs eagerly in an encoder-decoder call, compiled too: the encoder (one graph
+with dynamic shapes) and the first decoder step (the decode step's own graph).
 
 Design decisions:
 - Upstream's `generate` compiles the decode step only: the encoder (and the first decoder step) run eagerly. On CPU
@@ -16,6 +17,18 @@ Design decisions:
 - Token inputs only (`input_ids`): Whisper's features, Pix2Struct's patches and given `inputs_embeds` stay eager, as
   do calls that ask for the encoder's attentions or hidden states, candidate decoding, continuations given
   `encoder_outputs`, models dispatched by accelerate (`device_map`) and tensor-parallel models.
+- The first decoder step of a compiled fixed-shape call (`first_step_compiles`) differs from the later ones only in
+  that it projects the encoder outputs into the cross-attention keys and values. Those are projected first, eagerly,
+  by each layer's own cross-attention module (`cross_attention_projections`, as the serving engine admits a request
+  and as the exported `encoder` method does), and written with `cross_attention_cache.update`; the step itself is
+  then a decode step, and runs in the compiled decode graph of its shapes (no graph more: the tests count them).
+  Upstream runs the whole first step eagerly. Measured side by side (t5-small-sized T5, bucketed, one thread, AMD
+  EPYC Zen 3), a call's first token: 92 against 116 ms at one row of 40 tokens, 149 against 180 ms at 4 rows of 30,
+  322 against 352 ms at 8 rows of 40; tokens equal. It applies when the decoder prompt is one token (the start
+  token; a longer one, as Whisper's forced tokens, is a prefill of several positions: eager), the cache is fresh (not
+  a continuation), every layer has the projection, the call decodes greedily or samples (upstream's beam search
+  compiles no step), its decode step compiles, and no attentions or hidden states are asked for; candidate decoding
+  and chunked prefill stay eager too.
 - One compiled encoder per model and config, held beside the model (weakly keyed, as the cache pool is: not in the
   model's `__dict__`, so `copy.deepcopy`, pickling and `torch.save` of the model are unaffected).
 """
@@ -27,6 +40,10 @@ import weakref
 
 import torch
 from transformers import CompileConfig
+from transformers.generation.configuration_utils import GenerationMode
+
+from .cache import is_flexible_cache
+from .cache.placement import cross_attention_projections
 
 # model -> (compile config, its compiled encoder)
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -107,3 +124,43 @@ def compiled_encoder(model, compile_config: CompileConfig):
         held = (compile_config, torch.compile(model.get_encoder(), **arguments))
         _COMPILED[model] = held
     return held[1]
+
+
+def first_step_compiles(model, plan, input_ids: torch.Tensor, generation_config, model_kwargs: dict) -> list | None:
+    """The cross-attention projections of the decoder's layers when this call's first decoder step runs in its
+    compiled decode graph (see the module docstring), else None."""
+    cache = model_kwargs.get("cache")
+    if not (
+        plan is not None
+        and plan.policy.fixed_shapes
+        and model.config.is_encoder_decoder
+        and not (plan.padding is not None and plan.padding.candidates)
+        # the decoding methods whose later steps upstream compiles (`_sample`): not beam search's
+        and generation_config.get_generation_mode() in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
+        and input_ids.shape[1] == 1
+        and model_kwargs.get("encoder_outputs") is not None
+        and generation_config.prefill_chunk_size is None
+        and not generation_config.output_attentions
+        and not generation_config.output_hidden_states
+        and is_flexible_cache(cache)
+        and hasattr(cache, "cross_attention_cache")
+        and cache.get_seq_length() == 0
+        and cache.get_encoder_length() == 0
+        and model._valid_auto_compile_criteria(model_kwargs, generation_config)
+    ):
+        return None
+    return cross_attention_projections(model, len(cache.cross_attention_cache.layers))
+
+
+def first_step_compiled(model, projections: list, input_ids: torch.Tensor, generation_config, model_kwargs: dict):
+    """Stands for `GenerationMixin._prefill` (transformers==5.24.0) on a call that `first_step_compiles`: the
+    cross-attention keys and values projected and written, then the step in the compiled decode graph."""
+    # input_ids: [B, 1] start tokens; encoder states: [B, L_enc, d] -> per layer 2 x [B, H, L_enc, D]
+    cache = model_kwargs["cache"]
+    states = model_kwargs["encoder_outputs"][0]
+    for layer_idx, project in enumerate(projections):
+        key_states, value_states = project(states)
+        cache.cross_attention_cache.update(key_states, value_states, layer_idx)
+    model_inputs = model.prepare_inputs_for_generation(input_ids, is_first_iteration=True, **model_kwargs)
+    with model._optimize_model_for_decode():  # as upstream runs its decode steps
+        return model.get_compiled_call(generation_config.compile_config)(**model_inputs, return_dict=True)

@@ -23,6 +23,7 @@ import inspect
 from transformers.generation.utils import GenerationMixin
 
 from .cache import is_flexible_cache
+from .compiled_encoder import first_step_compiled, first_step_compiles
 from .ownership import pool_of
 from .padding import FixedShapeMasksMixin
 from .plan import CallPlan, current_plan, serving_request
@@ -160,6 +161,20 @@ class FlexCacheGenerationMixin(FixedShapeMasksMixin):
         model_kwargs["cache"] = cache
         if generation_config.is_assistant:
             cache.activate_past_recording()
+
+    def _prefill(self, input_ids, generation_config, model_kwargs: dict, is_first_iteration: bool = True):
+        """Wraps `GenerationMixin._prefill` (transformers==5.24.0).
+
+        Differences: the first decoder step of a compiled fixed-shape encoder-decoder call runs in the compiled decode
+        graph, its cross-attention keys and values projected beforehand (`compiled_encoder.first_step_compiles`);
+        upstream runs it eagerly. Every other call is upstream's.
+        """
+        projections = None
+        if is_first_iteration:
+            projections = first_step_compiles(self, current_plan(self), input_ids, generation_config, model_kwargs)
+        if projections is None:
+            return super()._prefill(input_ids, generation_config, model_kwargs, is_first_iteration)
+        return first_step_compiled(self, projections, input_ids, generation_config, model_kwargs)
 
     def _prepare_text_encoder_decoder_kwargs_for_generation(
         self, inputs_tensor, model_kwargs: dict, model_input_name, generation_config

@@ -54,6 +54,17 @@ def attention_modules(model: nn.Module) -> tuple[dict[int, nn.Module], dict[int,
     return own, cross
 
 
+def cross_attention_projections(model: nn.Module, num_layers: int) -> list | None:
+    """Per decoder layer `0..num_layers - 1`, the function that projects encoder outputs into its cross-attention keys
+    and values: the overrides' `_flex_project_kv` (`[B, L_enc, d] -> 2 x [B, H, L_enc, D]`, what their forward calls
+    on a call's first decoder step), found on the cross-attention modules of `attention_modules`. None when some layer
+    has none: its keys are then written only by a forward of the decoder."""
+    _, cross = attention_modules(model)
+    if sorted(cross) != list(range(num_layers)) or not all(hasattr(cross[i], "_flex_project_kv") for i in cross):
+        return None
+    return [cross[i]._flex_project_kv for i in range(num_layers)]
+
+
 def execution_device(module: nn.Module, parents: dict[nn.Module, nn.Module]) -> torch.device | None:
     """Where `module` runs: the `execution_device` of the nearest accelerate hook on it or above it (`parents` maps
     each module to its parent), else the device of its first parameter or buffer that is not on `meta`; None when

@@ -19,6 +19,7 @@ from ..cache.buffer_views import (
     packed_view,
     self_attention_rows,
 )
+from ..cache.placement import cross_attention_projections
 from ..modeling import FlexModelMixin
 from .rewrites import export_friendly, infer_symbolic_view_dims
 
@@ -58,26 +59,6 @@ def _check_encoder_input(model: nn.Module, encoder_input: str, max_encoder_len: 
                 f"encoder positions; pass max_encoder_len={fixed_len}, or encoder_input='encoder_hidden_states' for "
                 "encoder outputs of any length up to max_encoder_len"
             )
-
-
-# Names of the decoder's cross-attention modules in the supported models (T5, BART/Whisper, Pix2Struct).
-_CROSS_ATTENTION_NAMES = ("EncDecAttention", "encoder_attn", "encoder_decoder_attention")
-
-
-def _cross_attention_projections(model: nn.Module) -> list | None:
-    """Per decoder layer, the function that projects encoder outputs into that layer's cross-attention keys/values.
-
-    They are the overrides' `_flex_project_kv` (`[B, L_enc, d] -> 2 x [B, H, L_enc, D]`, what their forward calls on a
-    first decoder step), found on the decoder's cross-attention modules; `None` when some layer has none.
-    """
-    found = {}
-    for name, module in model.get_decoder().named_modules():
-        if any(part in _CROSS_ATTENTION_NAMES for part in name.split(".")) and hasattr(module, "_flex_project_kv"):
-            found[module.layer_idx] = module._flex_project_kv
-    num_layers = len(layer_shapes(model.config))
-    if sorted(found) != list(range(num_layers)):
-        return None
-    return [found[i] for i in range(num_layers)]
 
 
 def check_capacities(**capacities: int) -> None:
@@ -257,7 +238,7 @@ class ExportableEncoderDecoder(_ExportableBase):
         # [B, L_enc, d_model] states; attention_mask: [B, L_enc] -> encoder_hidden_states [B, L_enc, d_model]
         batch_size = encoder_input.shape[0]
         self._zero_self_attention_rows(batch_size)
-        projections = _cross_attention_projections(self.model)
+        projections = cross_attention_projections(self.model, len(layer_shapes(self.model.config)))
         if projections is None:
             return self._encoder_through_decoder(encoder_input, attention_mask)
         if self.encoder_input == "encoder_hidden_states":

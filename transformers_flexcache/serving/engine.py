@@ -36,7 +36,7 @@ from transformers.modeling_outputs import ModelOutput
 
 from ..cache import layer_specs_for_model
 from ..cache.config import Overflow, overflow_message
-from ..cache.placement import KEY_PROJECTION_NAMES, attention_modules
+from ..cache.placement import KEY_PROJECTION_NAMES, attention_modules, cross_attention_projections
 from ..cache.seats import FlexibleSeatCache, FlexibleSeatEncoderDecoderCache
 from ..compilation import compile_settings, explained_recompile_limit
 from ..compiled_encoder import compiled_encoder, encoder_compiles
@@ -117,7 +117,13 @@ class Engine:
         self.pad_token_id = pad_token_id_of(model)
         self.output_type = steps.OUTPUT_TYPES[self.is_encoder_decoder]
         self.encoder_dummy = self._encoder_dummy() if self.is_encoder_decoder else None
-        self.cross_attention_modules = self._cross_attention_modules() if self.is_encoder_decoder else None
+        # Each layer's cross-attention projection (as the model's forward projects), or None: no request skips its
+        # prefill then.
+        self.cross_attention_projections = (
+            cross_attention_projections(self.model, len(self.cache.cross_attention_cache.layers))
+            if self.is_encoder_decoder
+            else None
+        )
         self.encoder_takes_mask = self.is_encoder_decoder and (
             "attention_mask" in inspect.signature(model.get_encoder().forward).parameters
         )
@@ -215,16 +221,6 @@ class Engine:
         names = inspect.signature(self.model.forward).parameters
         key = "decoder_position_ids" if self.is_encoder_decoder else "position_ids"
         return key if key in names else None
-
-    def _cross_attention_modules(self) -> dict | None:
-        """`{layer_idx: cross-attention module}` when every one projects its keys as the model's forward does
-        (`_flex_project_kv`, which each override's cross-attention path calls), else None: no request skips its
-        prefill then."""
-        _, cross = attention_modules(self.model)
-        modules = dict(sorted(cross.items()))
-        if len(modules) != len(self.cache.cross_attention_cache.layers):
-            return None
-        return modules if all(hasattr(module, "_flex_project_kv") for module in modules.values()) else None
 
     def _encoder_dummy(self) -> torch.Tensor:
         """`[1, 1, d]` zeros: the encoder states a decode step passes (only their batch size is read)."""
@@ -517,7 +513,7 @@ class Engine:
         _, model_inputs = worker.pending.payload
         return (
             self.is_encoder_decoder
-            and self.cross_attention_modules is not None
+            and self.cross_attention_projections is not None
             and model_inputs[self.input_ids_key].shape[1] == 1
             and model_inputs.get("decoder_attention_mask") is None
         )

@@ -262,8 +262,8 @@ def _join(engine, workers: list[RequestWorker]) -> list:
     encoder_valid = _add_encoder_inputs(engine, items, kwargs)  # batched, right-padded encoder states and masks
     states = kwargs["encoder_outputs"][0]  # [A, E, d]
     rows = torch.cat([seats.rows for seats, _ in items])
-    for layer_idx, module in engine.cross_attention_modules.items():
-        key_states, value_states = module._flex_project_kv(states)  # each override's projection, as in its forward
+    for layer_idx, project in enumerate(engine.cross_attention_projections):
+        key_states, value_states = project(states)  # each override's projection, as in its forward
         engine.cache.write_cross_attention(layer_idx, rows, key_states, value_states)
     no_columns = torch.zeros((len(rows), 0), dtype=torch.bool)
     engine.cache.admit(rows, no_columns, torch.zeros(len(rows), dtype=torch.long), encoder_valid)

@@ -14,7 +14,7 @@ from transformers import CompileConfig
 from tests.helpers import assert_same_generation, assert_same_padded_generation, generate_both
 from tests.model_cases import LLAMA, MODEL_CASES, T5
 from transformers_flexcache import warmup
-from transformers_flexcache.cache import CacheConfig
+from transformers_flexcache.cache import CacheConfig, layer_specs_from_config
 from transformers_flexcache.padding import POLICIES
 
 # Buckets below the tiny capacities, so that calls of the streams below land in different ones.
@@ -155,13 +155,18 @@ def stream_buckets(model) -> set[tuple]:
     def up(value, sizes):
         return next(size for size in sizes if size >= value)
 
+    specs = layer_specs_from_config(model.config)
+    # every layer a sliding window (Mistral): each layer holds `window` positions whatever the decoder length bucket
+    sliding = all(spec.layer_type == "sliding_attention" for spec in specs)
+    window = max(spec.sliding_window for spec in specs) if sliding else None
     visited = set()
     for batch_size, length, new_tokens in STREAM:
         rows = up(batch_size, [1, 2, 4])
         if model.config.is_encoder_decoder:
             visited.add((rows, up(new_tokens, [8, 16]), up(length, [6, 12])))
         else:
-            visited.add((rows, up(up(length, [6, 12]) + new_tokens - 1, [8, 16])))
+            span = up(up(length, [6, 12]) + new_tokens - 1, [8, 16])
+            visited.add((rows, span if window is None else min(span, window)))
     return visited
 
 

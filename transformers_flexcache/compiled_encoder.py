@@ -39,6 +39,7 @@ import inspect
 import weakref
 
 import torch
+import torch.nn.functional as F
 from transformers import CompileConfig
 from transformers.generation.configuration_utils import GenerationMode
 
@@ -152,14 +153,29 @@ def first_step_compiles(model, plan, input_ids: torch.Tensor, generation_config,
     return cross_attention_projections(model, len(cache.cross_attention_cache.layers))
 
 
-def first_step_compiled(model, projections: list, input_ids: torch.Tensor, generation_config, model_kwargs: dict):
+def first_step_compiled(
+    model, plan, projections: list, input_ids: torch.Tensor, generation_config, model_kwargs: dict
+):
     """Stands for `GenerationMixin._prefill` (transformers==5.24.0) on a call that `first_step_compiles`: the
-    cross-attention keys and values projected and written, then the step in the compiled decode graph."""
-    # input_ids: [B, 1] start tokens; encoder states: [B, L_enc, d] -> per layer 2 x [B, H, L_enc, D]
+    cross-attention keys and values projected and written, then the step in the compiled decode graph.
+
+    Only the call's own rows and encoder positions are projected (as DynamicCache's call projects them); the padding
+    rows and positions get zero keys and values. Padding positions are masked, and padding rows are cut from the
+    outputs: neither reaches a real row.
+    """
+    # input_ids: [B_pad, 1] start tokens; encoder states: [B_pad, L_pad, d] -> per layer 2 x [B_pad, H, L_pad, D]
     cache = model_kwargs["cache"]
     states = model_kwargs["encoder_outputs"][0]
+    padded_rows, padded_len = states.shape[:2]
+    rows, length = padded_rows, padded_len
+    if plan.padding is not None:
+        rows = padded_rows // plan.padding.padded_batch_size * plan.padding.batch_size
+        length = plan.padding.encoder_len or padded_len
     for layer_idx, project in enumerate(projections):
-        key_states, value_states = project(states)
+        key_states, value_states = project(states[:rows, :length])  # each [B, H, L_enc, D]
+        if (rows, length) != (padded_rows, padded_len):
+            padding = (0, 0, 0, padded_len - length, 0, 0, 0, padded_rows - rows)
+            key_states, value_states = F.pad(key_states, padding), F.pad(value_states, padding)
         cache.cross_attention_cache.update(key_states, value_states, layer_idx)
     model_inputs = model.prepare_inputs_for_generation(input_ids, is_first_iteration=True, **model_kwargs)
     with model._optimize_model_for_decode():  # as upstream runs its decode steps

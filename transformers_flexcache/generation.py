@@ -169,12 +169,12 @@ class FlexCacheGenerationMixin(FixedShapeMasksMixin):
         graph, its cross-attention keys and values projected beforehand (`compiled_encoder.first_step_compiles`);
         upstream runs it eagerly. Every other call is upstream's.
         """
-        projections = None
+        plan, projections = current_plan(self), None
         if is_first_iteration:
-            projections = first_step_compiles(self, current_plan(self), input_ids, generation_config, model_kwargs)
+            projections = first_step_compiles(self, plan, input_ids, generation_config, model_kwargs)
         if projections is None:
             return super()._prefill(input_ids, generation_config, model_kwargs, is_first_iteration)
-        return first_step_compiled(self, projections, input_ids, generation_config, model_kwargs)
+        return first_step_compiled(self, plan, projections, input_ids, generation_config, model_kwargs)
 
     def _prepare_text_encoder_decoder_kwargs_for_generation(
         self, inputs_tensor, model_kwargs: dict, model_input_name, generation_config

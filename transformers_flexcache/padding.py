@@ -242,6 +242,7 @@ class PaddedCall:
     padded_prompt_len: int
     continuation: bool = False  # the call continues a cache given to it, at that cache's shapes
     candidates: bool = False  # candidate decoding (assistant, prompt lookup): batch and encoder are not padded
+    encoder_len: int | None = None  # the call's own encoder positions, before they were padded (encoder-decoder)
 
     def stopping_criteria(self, given: StoppingCriteriaList | None) -> StoppingCriteriaList | None:
         """The caller's stopping criteria, plus one that finishes the padding rows (when there are any)."""
@@ -543,6 +544,8 @@ class PaddedPolicy:
         if plan.padding is not None and plan.padding.candidates:
             return encoder_len
         padded_len = plan.reservation.shapes.get("max_encoder_len", encoder_len)
+        if plan.padding is not None:
+            plan.padding.encoder_len = encoder_len
         pad_encoder_outputs(model_kwargs, padded_len, mask_key=plan.model._flex_encoder_mask_key)
         return padded_len
 

@@ -335,6 +335,19 @@ UPSTREAM: dict[str, Upstream] = {
         "call's settings before upstream's generate does: check its signature, return value and copying of the "
         "given config",
     ),
+    f"{_GEN}._prefill": Upstream(
+        "bb93f29bb4aa1f2e",
+        "our wrapper runs an encoder-decoder call's first decoder step as a decode step instead (its cross-attention "
+        "keys projected first): check that the unchunked prefill is still one `prepare_inputs_for_generation` and one "
+        "forward, and carry over any new argument or branch (they make `first_step_compiles` say no)",
+    ),
+    f"{_GEN}._sample": Upstream(
+        "7925bc68d8c6e2e7",
+        "`first_step_compiles` assumes that greedy and sampled decoding call `_prefill` first and then run every later "
+        "step in `get_compiled_call(compile_config)` when `_valid_auto_compile_criteria` holds, and that beam search "
+        "compiles none: re-check which decoding methods compile their steps",
+        users=("first_step_compiles", "first_step_compiled"),
+    ),
     f"{_GEN}._validate_model_kwargs": Upstream(
         "b2e1c5ca398b0113",
         "Whisper hides `encoder_attention_mask` from it because the check reads only signatures; drop the wrapper if "

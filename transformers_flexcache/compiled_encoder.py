@@ -165,16 +165,13 @@ def first_step_compiled(
     """
     # input_ids: [B_pad, 1] start tokens; encoder states: [B_pad, L_pad, d] -> per layer 2 x [B_pad, H, L_pad, D]
     cache = model_kwargs["cache"]
-    states = model_kwargs["encoder_outputs"][0]
-    padded_rows, padded_len = states.shape[:2]
-    rows, length = padded_rows, padded_len
-    if plan.padding is not None:
-        rows = padded_rows // plan.padding.padded_batch_size * plan.padding.batch_size
-        length = plan.padding.encoder_len or padded_len
+    states = own = model_kwargs["encoder_outputs"][0]
+    if plan.padding is not None:  # [B, L_enc, d]: the call's own rows and positions
+        own = plan.padding.cut_rows(states)[:, : plan.padding.encoder_len or states.shape[1]]
+    padding = (0, 0, 0, states.shape[1] - own.shape[1], 0, 0, 0, states.shape[0] - own.shape[0])
     for layer_idx, project in enumerate(projections):
-        key_states, value_states = project(states[:rows, :length])  # each [B, H, L_enc, D]
-        if (rows, length) != (padded_rows, padded_len):
-            padding = (0, 0, 0, padded_len - length, 0, 0, 0, padded_rows - rows)
+        key_states, value_states = project(own)  # each [B, H, L_enc, D] -> [B_pad, H, L_pad, D]
+        if any(padding):
             key_states, value_states = F.pad(key_states, padding), F.pad(value_states, padding)
         cache.cross_attention_cache.update(key_states, value_states, layer_idx)
     model_inputs = model.prepare_inputs_for_generation(input_ids, is_first_iteration=True, **model_kwargs)

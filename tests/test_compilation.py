@@ -15,7 +15,7 @@ from tests.helpers import assert_same_generation, assert_same_padded_generation,
 from tests.model_cases import BART, LLAMA, T5
 from transformers_flexcache import compile_config_for_cpu, linear_kernels
 from transformers_flexcache.compilation import compile_settings
-from transformers_flexcache.linear_kernels import OneDNNLinears, OneRowLinears
+from transformers_flexcache.linear_kernels import Int8DotExpansion, Int8DotProducts, OneDNNLinears, OneRowLinears
 
 
 @pytest.fixture(autouse=True)
@@ -37,27 +37,33 @@ def recording_backend(seen: list):
 
 
 def test_compile_config_for_cpu_freezes_weights_without_dynamic_shapes_and_compiles_on_cpu():
-    config = compile_config_for_cpu(linear_kernels="mkl", one_row_linears="library")
+    config = compile_config_for_cpu(linear_kernels="mkl", one_row_linears="library", int8_linears="library")
     assert config.backend == "inductor" and config.dynamic is False and config.fullgraph is True
     assert config.options == {"freezing": True} and config.mode is None
     assert config._compile_all_devices is True
-    options = compile_config_for_cpu(linear_kernels="mkl", one_row_linears="library", cpp_wrapper=True).options
+    options = compile_config_for_cpu(
+        linear_kernels="mkl", one_row_linears="library", int8_linears="library", cpp_wrapper=True
+    ).options
     assert options == {"freezing": True, "cpp_wrapper": True}
 
 
 def test_onednn_linear_kernels_are_an_inductor_post_grad_pass_and_configs_with_it_compare_equal():
-    config = compile_config_for_cpu(linear_kernels="onednn", one_row_linears="library")
+    config = compile_config_for_cpu(linear_kernels="onednn", one_row_linears="library", int8_linears="library")
     assert config.options == {"freezing": True, "post_grad_custom_post_pass": (OneDNNLinears(),)}
     # upstream's generate keeps its compiled call while the config compares equal
-    assert compile_config_for_cpu(linear_kernels="onednn", one_row_linears="library") == config
+    assert compile_config_for_cpu(linear_kernels="onednn", one_row_linears="library", int8_linears="library") == config
     assert OneDNNLinears().uuid() == OneDNNLinears().uuid()
 
 
 def test_one_row_linears_run_first_and_each_pass_keys_inductor_s_cache_apart():
-    config = compile_config_for_cpu(linear_kernels="onednn", one_row_linears="inductor")
+    config = compile_config_for_cpu(linear_kernels="onednn", one_row_linears="inductor", int8_linears="library")
     assert config.options["post_grad_custom_post_pass"] == (OneRowLinears(), OneDNNLinears())
-    assert compile_config_for_cpu(linear_kernels="onednn", one_row_linears="inductor") == config
-    assert compile_config_for_cpu(linear_kernels="mkl", one_row_linears="inductor").options == {
+    assert (
+        compile_config_for_cpu(linear_kernels="onednn", one_row_linears="inductor", int8_linears="library") == config
+    )
+    assert compile_config_for_cpu(
+        linear_kernels="mkl", one_row_linears="inductor", int8_linears="library"
+    ).options == {
         "freezing": True,
         "post_grad_custom_post_pass": (OneRowLinears(),),
     }
@@ -68,6 +74,28 @@ def test_one_row_linears_run_first_and_each_pass_keys_inductor_s_cache_apart():
 def test_auto_one_row_linears_are_inductor_s_where_the_cpu_is_not_intel_s(monkeypatch, vendor, expected):
     monkeypatch.setattr(linear_kernels, "cpu_vendor", lambda: vendor)
     assert linear_kernels.resolve_one_row_linears("auto") == expected
+
+
+def test_int8_dot_products_are_marked_before_freezing_and_expanded_first_after_it():
+    config = compile_config_for_cpu(linear_kernels="onednn", one_row_linears="inductor", int8_linears="inductor")
+    assert config.options["joint_custom_post_pass"] == (Int8DotProducts(),)
+    assert config.options["post_grad_custom_post_pass"] == (Int8DotExpansion(), OneRowLinears(), OneDNNLinears())
+    assert (
+        compile_config_for_cpu(linear_kernels="onednn", one_row_linears="inductor", int8_linears="inductor") == config
+    )
+    assert len({Int8DotProducts().uuid(), Int8DotExpansion().uuid(), OneRowLinears().uuid()}) == 3
+
+
+@pytest.mark.parametrize(("vnni", "expected"), [(True, "library"), (False, "inductor")])
+def test_auto_int8_linears_are_inductor_s_where_the_cpu_has_no_vnni(monkeypatch, vnni, expected):
+    monkeypatch.setattr(linear_kernels, "cpu_has_vnni", lambda: vnni)
+    assert linear_kernels.resolve_int8_linears("auto") == expected
+    assert ("joint_custom_post_pass" in compile_config_for_cpu().options) == (expected == "inductor")
+
+
+def test_unknown_int8_linears_are_refused_with_the_choices():
+    with pytest.raises(ValueError, match=r"int8_linears='vnni' is not one of \('auto', 'inductor', 'library'\)"):
+        compile_config_for_cpu(int8_linears="vnni")
 
 
 def test_unknown_one_row_linears_are_refused_with_the_choices():
@@ -103,6 +131,7 @@ def test_one_row_pass_runs_linears_of_one_row_as_inductor_s_dot_products_and_oth
 )
 def test_auto_linear_kernels_are_mkl_on_intel_cpus_only_as_ctranslate2_chooses(monkeypatch, vendor, expected):
     monkeypatch.setattr(linear_kernels, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(linear_kernels, "cpu_has_vnni", lambda: True)  # no int8 pass either
     assert linear_kernels.resolve_linear_kernels("auto") == expected
     assert ("post_grad_custom_post_pass" in compile_config_for_cpu().options) == (expected == "onednn")
 

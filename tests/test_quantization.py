@@ -154,6 +154,59 @@ def test_compiled_int8_padded_t5_generates_the_eager_int8_dynamic_cache_tokens()
     _compiled_int8_stream(T5, "padded")
 
 
+def compiled_int_mm(inputs: torch.Tensor, weight: torch.Tensor, int8_linears: str) -> tuple[torch.Tensor, set[str]]:
+    """`torch._int_mm(inputs, weight.T)` compiled under `compile_config_for_cpu(int8_linears=...)`, and the ops its
+    second run called."""
+    config = compile_config_for_cpu(int8_linears=int8_linears)
+    compiled = torch.compile(
+        lambda a, w: torch._int_mm(a, w.t()), backend="inductor", dynamic=False, options=config.options
+    )
+    compiled(inputs, weight)
+    with torch.profiler.profile() as profile:
+        out = compiled(inputs, weight)
+    return out, {event.key for event in profile.key_averages()}
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9])
+@pytest.mark.parametrize(("features", "dtype"), [(512, torch.int8), (2048, torch.int8), (2048, torch.uint8)])
+def test_int8_dot_products_equal_int_mm_bit_for_bit_up_to_8_rows(rows, features, dtype):
+    generator = torch.Generator().manual_seed(0)
+    # Products of one sign near the ends of the ranges: sums past 2**24, where float32 holds even integers only.
+    low, high = (100, 128) if dtype == torch.int8 else (200, 256)
+    inputs = torch.randint(low, high, (rows, features), generator=generator).to(dtype)
+    weight = torch.randint(-128, -100, (24, features), generator=generator, dtype=torch.int8)
+    expected = torch._int_mm(inputs, weight.t())
+    if features > 1024:  # one float32 sum per output could not give these
+        assert expected.abs().max() > 2**24 and (expected % 2 == 1).any()
+    out, ops = compiled_int_mm(inputs, weight, "inductor")
+    assert torch.equal(out, expected)
+    assert ("aten::_int_mm" in ops) == (rows > 8)  # rewritten up to 8 rows, the library's beyond
+
+
+def test_compiled_int8_dot_products_generate_the_eager_int8_dynamic_cache_tokens():
+    # Forced on (the default where the CPU has no VNNI): the decode steps run no oneDNN int8 linear.
+    upstream, flex = quantized_pair(T5)
+    inputs = T5.make_inputs(3, 7, torch.Generator().manual_seed(0))
+    calls = {}
+    for int8_linears in ("inductor", "library"):
+        torch._dynamo.reset()
+        compile_config = compile_config_for_cpu(int8_linears=int8_linears)
+        for _ in range(2):  # the second call, compiled
+            with torch.profiler.profile() as profile:
+                expected, actual = generate_both(
+                    upstream,
+                    flex,
+                    inputs,
+                    cache_config=cache_config_for(T5, "padded"),
+                    max_new_tokens=5,
+                    do_sample=False,
+                    compile_config=compile_config,
+                )
+        assert_int8_scores(expected, actual)
+        calls[int8_linears] = sum(e.count for e in profile.key_averages() if e.key == "onednn::qlinear_pointwise")
+    assert calls["inductor"] < calls["library"], calls
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", [MARIAN, LLAMA], ids=lambda case: case.name)
 @pytest.mark.parametrize("shape_policy", ["padded", "bucketed"])

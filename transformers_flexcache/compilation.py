@@ -36,7 +36,15 @@ from transformers.generation.stopping_criteria import StoppingCriteria, Stopping
 
 from .cache import CacheConfig
 from .compiled_encoder import FlexCompileConfig, encoder_compiles
-from .linear_kernels import OneDNNLinears, OneRowLinears, resolve_linear_kernels, resolve_one_row_linears
+from .linear_kernels import (
+    Int8DotExpansion,
+    Int8DotProducts,
+    OneDNNLinears,
+    OneRowLinears,
+    resolve_int8_linears,
+    resolve_linear_kernels,
+    resolve_one_row_linears,
+)
 from .padding import POLICIES, compile_settings
 from .request import FLEXIBLE_STATIC
 
@@ -57,6 +65,7 @@ def compile_config_for_cpu(
     fullgraph: bool = True,
     linear_kernels: str = "auto",
     one_row_linears: str = "auto",
+    int8_linears: str = "auto",
     encoder: bool = True,
     **options,
 ) -> CompileConfig:
@@ -71,6 +80,10 @@ def compile_config_for_cpu(
             decode step at batch 1): `"inductor"` (a dot product per output that inductor generates, reading the
             weight once: `OneRowLinears`), `"library"` (the `linear_kernels` above), or `"auto"`: inductor's where
             the CPU is not Intel's. On an AMD EPYC Zen 3 T5's step at batch 1 took 22 ms against oneDNN's 30.
+        int8_linears (`str`, *optional*, defaults to `"auto"`): the int8 matrix multiplies of a model quantized with
+            `quantize(model, "int8")`, in graphs of at most 8 rows (decode steps): `"inductor"` (dot products that
+            inductor generates, exact: `Int8DotProducts`), `"library"` (oneDNN's int8 kernels), or `"auto"`:
+            inductor's where the CPU has no VNNI, where oneDNN's int8 kernels are slower than float32's.
         encoder (`bool`, *optional*, defaults to `True`): under a padded or bucketed `flexible_static` policy (and in
             the serving engine), compile an encoder-decoder call's token encoder too, with dynamic shapes
             (`compiled_encoder.py`); upstream's generate runs it eagerly.
@@ -81,8 +94,8 @@ def compile_config_for_cpu(
         above; compiling on CPU enabled.
 
     Raises:
-        ValueError: `linear_kernels` is not one of `"auto"`, `"onednn"`, `"mkl"`, or `one_row_linears` not one of
-            `"auto"`, `"inductor"`, `"library"`.
+        ValueError: `linear_kernels` is not one of `"auto"`, `"onednn"`, `"mkl"`, or `one_row_linears` or
+            `int8_linears` not one of `"auto"`, `"inductor"`, `"library"`.
 
     Example:
 
@@ -96,11 +109,16 @@ def compile_config_for_cpu(
     ```
     """
     passes = []  # one-row linears first: `OneDNNLinears` repacks whichever MKL linears are left
+    kernel_options = {}
+    if resolve_int8_linears(int8_linears) == "inductor":  # marked before freezing, expanded after
+        kernel_options["joint_custom_post_pass"] = (Int8DotProducts(),)
+        passes.append(Int8DotExpansion())
     if resolve_one_row_linears(one_row_linears) == "inductor":
         passes.append(OneRowLinears())
     if resolve_linear_kernels(linear_kernels) == "onednn":
         passes.append(OneDNNLinears())
-    kernel_options = {"post_grad_custom_post_pass": tuple(passes)} if passes else {}
+    if passes:
+        kernel_options["post_grad_custom_post_pass"] = tuple(passes)
     config = FlexCompileConfig(
         compile_encoder=encoder,
         fullgraph=fullgraph,

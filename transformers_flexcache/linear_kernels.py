@@ -31,6 +31,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 LINEAR_KERNELS = ("auto", "onednn", "mkl")
 ONE_ROW_LINEARS = ("auto", "inductor", "library")
+INT8_LINEARS = ("auto", "inductor", "library")
+INT8_DOT_MAX_ROWS = 8  # measured to 8 rows (docs/compile.md); larger int8 products stay the library's
 
 
 @functools.cache
@@ -60,6 +62,27 @@ def resolve_one_row_linears(one_row_linears: str) -> str:
         ValueError: `one_row_linears` is not one of `ONE_ROW_LINEARS`.
     """
     return _resolve("one_row_linears", one_row_linears, ONE_ROW_LINEARS, on_intel="library", elsewhere="inductor")
+
+
+def resolve_int8_linears(int8_linears: str) -> str:
+    """`"inductor"` or `"library"` for `int8_linears`: `"auto"` is inductor's dot products where the CPU has no VNNI
+    (oneDNN's int8 kernels there are slower than float32's) and the library's (oneDNN's VNNI kernels) elsewhere.
+
+    Raises:
+        ValueError: `int8_linears` is not one of `INT8_LINEARS`.
+    """
+    if int8_linears not in INT8_LINEARS:
+        raise ValueError(f"int8_linears={int8_linears!r} is not one of {INT8_LINEARS}")
+    if int8_linears == "auto":
+        return "library" if cpu_has_vnni() else "inductor"
+    return int8_linears
+
+
+@functools.cache
+def cpu_has_vnni() -> bool:
+    """Whether this CPU has AVX512-VNNI (torch's check, which torchao's 7-bit rule reads too)."""
+    check = getattr(torch._C._cpu, "_is_vnni_supported", None)
+    return bool(check and check())
 
 
 def _resolve(name: str, value: str, choices: tuple[str, ...], *, on_intel: str, elsewhere: str) -> str:
@@ -172,10 +195,149 @@ class OneRowLinears(CustomGraphPass):
     __hash__ = _type_hash
 
 
-def _call(graph: torch.fx.Graph, fake_mode, target, *args) -> torch.fx.Node:
-    """A `call_function` node of `target(*args)` with its fake value in `meta["val"]`, as inductor's lowering reads."""
-    node = graph.call_function(target, args)
-    node.meta["val"] = target(*(_value(arg, fake_mode) if isinstance(arg, torch.fx.Node) else arg for arg in args))
+@torch.library.custom_op("transformers_flexcache::int8_dot_products", mutates_args=())
+def int8_dot_products(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`torch._int_mm(inputs, weight.T)`: an int8 matrix multiply of a few rows, marked by `Int8DotProducts` for
+    `Int8DotExpansion`, which writes it as inductor's dot products. Eagerly (unexpanded) it is `_int_mm` itself."""
+    return torch._int_mm(inputs, weight.t())
+
+
+@int8_dot_products.register_fake
+def _(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return inputs.new_empty((inputs.shape[0], weight.shape[0]), dtype=torch.int32)
+
+
+class Int8DotProducts(CustomGraphPass):
+    """Inductor joint-graph pass (before freezing): an int8 matrix multiply of at most `INT8_DOT_MAX_ROWS` rows
+    (`aten._int_mm(a [M, K], w.T)`, what torchao's int8 linears trace to; `w` [N, K] int8, `a` int8 or uint8)
+    becomes `transformers_flexcache::int8_dot_products(a, w)`, which `Int8DotExpansion` (a post-grad pass) writes
+    as dot products that inductor generates, equal to `_int_mm`'s integers.
+
+    Why two passes: freezing turns `_int_mm` with a constant weight into oneDNN's int8 linear
+    (`onednn.qlinear_pointwise`) and folds the pointwise work on constants into new constants (here: the weights
+    unpacked into four float copies). The custom op is neither matched nor folded (its activations are not
+    constant), and once frozen the expansion is left as it is written.
+
+    How the expansion reads the weights, and why it is exact:
+    - `w` is read as float32 words of four int8 weights each (a view of its storage: full-width vector loads; int32
+      loads of inductor's CPU vectors go through a buffer copy in torch==2.13.0, 5x slower) and each word is bitcast
+      to int32 in registers; a shift left then an arithmetic shift right gives each weight as a sign-extended int32,
+      then a float. The activations are realized once as floats, grouped by byte position ([4, M, K/4]).
+    - The products are integers of at most 128 * 128 in magnitude (128 * 255 for uint8 activations), so float32
+      sums of up to 1024 (514) of them, in any order, are exact integers. `K` is cut into chunks that size or below,
+      each summed in float32 and converted to int32, and the chunks summed in int32: `_int_mm`'s result, bit for bit.
+    - Skipped (left to the library): more rows, dynamic shapes, a `K` that cannot be cut into chunks of a multiple
+      of 4, a weight that is not the transposed view of a contiguous [N, K] int8 tensor.
+
+    Every instance is equal, as for `OneDNNLinears`.
+    """
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for node in list(graph.nodes):
+            matched = _small_int_mm(node)
+            if matched is None:
+                continue
+            with graph.inserting_before(node):
+                marked = graph.call_function(torch.ops.transformers_flexcache.int8_dot_products.default, matched)
+            marked.meta.update(node.meta)
+            node.replace_all_uses_with(marked)
+            graph.erase_node(node)
+
+    uuid = _uuid
+    __eq__ = _same_type
+    __hash__ = _type_hash
+
+
+class Int8DotExpansion(CustomGraphPass):
+    """Inductor post-grad pass: each `transformers_flexcache::int8_dot_products(a, w)` that `Int8DotProducts` marked
+    becomes the dot products of its docstring. Every instance is equal, as for `OneDNNLinears`."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for node in list(
+            graph.find_nodes(op="call_function", target=torch.ops.transformers_flexcache.int8_dot_products.default)
+        ):
+            inputs, weight = node.args
+            fake_mode = torch._guards.detect_fake_mode([inputs.meta["val"]])
+            with graph.inserting_before(node):
+                out = _int8_dot_products(graph, fake_mode, inputs, weight)
+            node.replace_all_uses_with(out)
+            graph.erase_node(node)
+
+    uuid = _uuid
+    __eq__ = _same_type
+    __hash__ = _type_hash
+
+
+def _small_int_mm(node: torch.fx.Node):
+    """`(a, w)` where `node` is `aten._int_mm(a [M, K], permute(w [N, K], [1, 0]))` that `Int8DotProducts` takes
+    (see its docstring); None otherwise."""
+    if node.target is not torch.ops.aten._int_mm.default:
+        return None
+    inputs, transposed = node.args
+    if transposed.target is not torch.ops.aten.permute.default or list(transposed.args[1]) != [1, 0]:
+        return None
+    weight = transposed.args[0]
+    value, weight_value = inputs.meta["val"], weight.meta.get("val")
+    rows, features = value.shape
+    if not (isinstance(rows, int) and isinstance(features, int) and rows <= INT8_DOT_MAX_ROWS):
+        return None
+    if value.dtype not in (torch.int8, torch.uint8) or weight_value is None or weight_value.dtype != torch.int8:
+        return None
+    if not weight_value.is_contiguous() or _chunk(features, value.dtype) is None:
+        return None
+    return inputs, weight
+
+
+def _chunk(features: int, dtype: torch.dtype) -> int | None:
+    """The length of the chunks of `features` that float32 sums exactly (see `Int8DotProducts`): the fewest equal
+    chunks of at most 2**24 / (largest |product|) features, each a multiple of 4; None if there are none."""
+    largest = 128 * (255 if dtype == torch.uint8 else 128)
+    chunks = -(-features // (2**24 // largest))
+    chunk = features // chunks
+    return chunk if chunk * chunks == features and chunk % 4 == 0 else None
+
+
+def _int8_dot_products(graph, fake_mode, inputs, weight) -> torch.fx.Node:
+    """Nodes computing `_int_mm(inputs [M, K], weight.T)` as int32 [M, N] (see `Int8DotProducts`)."""
+    ops = torch.ops.aten
+    rows, features = inputs.meta["val"].shape
+    chunk = _chunk(features, inputs.meta["val"].dtype)
+    words, chunks = chunk // 4, features // chunk
+
+    def call(target, *args, **kwargs):
+        return _call(graph, fake_mode, target, *args, **kwargs)
+
+    # activations: [M, K] -> floats [M, C, W, 4] -> [4, M, C, W], realized once (else recomputed per output)
+    floats = call(torch.ops.prims.convert_element_type.default, inputs, torch.float32)
+    grouped = call(ops.permute.default, call(ops.reshape.default, floats, [rows, chunks, words, 4]), [3, 0, 1, 2])
+    grouped = call(
+        torch.ops.prims.inductor_force_stride_order.default, grouped, [rows * features // 4, features // 4, words, 1]
+    )
+    # weights: [N, K] int8 -> float32 words [N, K/4] -> int32 in registers -> [N, 1, C, W]
+    packed = call(ops.view.dtype, call(ops.view.dtype, weight, torch.float32), torch.int32)
+    packed = call(ops.unsqueeze.default, call(ops.reshape.default, packed, [-1, chunks, words]), 1)
+    total = None
+    for byte in range(4):  # little-endian: byte b of a word is feature 4 * w + b
+        shifted = call(ops.__lshift__.Scalar, packed, 24 - 8 * byte) if byte < 3 else packed
+        weights = call(
+            torch.ops.prims.convert_element_type.default, call(ops.__rshift__.Scalar, shifted, 24), torch.float32
+        )
+        product = call(ops.mul.Tensor, weights, call(ops.select.int, grouped, 0, byte))  # [N, M, C, W]
+        total = product if total is None else call(ops.add.Tensor, total, product)
+    sums = call(torch.ops.prims.convert_element_type.default, call(ops.sum.dim_IntList, total, [-1]), torch.int32)
+    if chunks > 1:  # [N, M, C] -> [N, M], in int32
+        sums = call(ops.sum.dim_IntList, sums, [-1], dtype=torch.int32)
+    else:
+        sums = call(ops.squeeze.dim, sums, -1)
+    return call(ops.permute.default, sums, [1, 0])  # [N, M] -> [M, N]
+
+
+def _call(graph: torch.fx.Graph, fake_mode, target, *args, **kwargs) -> torch.fx.Node:
+    """A `call_function` node of `target(*args, **kwargs)` with its fake value in `meta["val"]`, as inductor's
+    lowering reads."""
+    node = graph.call_function(target, args, kwargs)
+    values = (_value(arg, fake_mode) if isinstance(arg, torch.fx.Node) else arg for arg in args)
+    node.meta["val"] = target(*values, **kwargs)
     return node
 
 

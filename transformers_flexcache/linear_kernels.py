@@ -32,7 +32,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 LINEAR_KERNELS = ("auto", "onednn", "mkl")
 ONE_ROW_LINEARS = ("auto", "inductor", "library")
 INT8_LINEARS = ("auto", "inductor", "library")
-INT8_DOT_MAX_ROWS = 8  # measured to 8 rows (docs/compile.md); larger int8 products stay the library's
+INT8_DOT_MAX_ROWS = 8  # int8 products of static rows up to this run as dot products (decode steps)
 
 
 @functools.cache
@@ -197,8 +197,8 @@ class OneRowLinears(CustomGraphPass):
 
 @torch.library.custom_op("transformers_flexcache::int8_dot_products", mutates_args=())
 def int8_dot_products(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`torch._int_mm(inputs, weight.T)`: an int8 matrix multiply of a few rows, marked by `Int8DotProducts` for
-    `Int8DotExpansion`, which writes it as inductor's dot products. Eagerly (unexpanded) it is `_int_mm` itself."""
+    """`torch._int_mm(inputs, weight.T)` of a few rows, marked by `Int8DotProducts` for `Int8DotExpansion`, which
+    writes it as inductor's dot products. Eagerly (unexpanded) it is `_int_mm` itself."""
     return torch._int_mm(inputs, weight.t())
 
 
@@ -208,37 +208,41 @@ def _(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 class Int8DotProducts(CustomGraphPass):
-    """Inductor joint-graph pass (before freezing): an int8 matrix multiply of at most `INT8_DOT_MAX_ROWS` rows
-    (`aten._int_mm(a [M, K], w.T)`, what torchao's int8 linears trace to; `w` [N, K] int8, `a` int8 or uint8)
-    becomes `transformers_flexcache::int8_dot_products(a, w)`, which `Int8DotExpansion` (a post-grad pass) writes
-    as dot products that inductor generates, equal to `_int_mm`'s integers.
+    """Inductor joint-graph pass (before freezing): an int8 matrix multiply of at most `INT8_DOT_MAX_ROWS` static rows
+    (`aten._int_mm(a [M, K], w.T)`, what torchao's int8 linears trace to in a decode step; `w` [N, K] int8, `a` int8
+    or uint8) becomes `transformers_flexcache::int8_dot_products(a, w)`, which `Int8DotExpansion` (a post-grad pass)
+    writes as dot products that inductor generates, equal to `_int_mm`'s integers.
 
     Why two passes: freezing turns `_int_mm` with a constant weight into oneDNN's int8 linear
-    (`onednn.qlinear_pointwise`) and folds the pointwise work on constants into new constants (here: the weights
-    unpacked into four float copies). The custom op is neither matched nor folded (its activations are not
-    constant), and once frozen the expansion is left as it is written.
+    (`onednn.qlinear_pointwise`) and folds the pointwise work on constants into new constants (here: unpacked
+    copies of the weights). The custom op is neither matched nor folded (its activations are not constant), and once frozen the expansion is left as it is written.
 
-    How the expansion reads the weights, and why it is exact:
-    - `w` is read as float32 words of four int8 weights each (a view of its storage: full-width vector loads; int32
-      loads of inductor's CPU vectors go through a buffer copy in torch==2.13.0, 5x slower) and each word is bitcast
-      to int32 in registers; a shift left then an arithmetic shift right gives each weight as a sign-extended int32,
-      then a float. The activations are realized once as floats, grouped by byte position ([4, M, K/4]).
-    - The products are integers of at most 128 * 128 in magnitude (128 * 255 for uint8 activations), so float32
-      sums of up to 1024 (514) of them, in any order, are exact integers. `K` is cut into chunks that size or below,
-      each summed in float32 and converted to int32, and the chunks summed in int32: `_int_mm`'s result, bit for bit.
-    - Skipped (left to the library): more rows, dynamic shapes, a `K` that cannot be cut into chunks of a multiple
-      of 4, a weight that is not the transposed view of a contiguous [N, K] int8 tensor.
+    Why it is exact: the products are integers of at most 128 * 128 in magnitude (128 * 255 for uint8 activations),
+    so float32 sums of up to 1024 (514) of them, in any order, are exact integers. `K` is cut into chunks that size or
+    below, each summed in float32 and converted to int32, and the chunks summed in int32: `_int_mm`'s result, bit for bit.
+
+    How the dot products read the weights: as float32 words of four int8 weights each (a view of the storage:
+    full-width vector loads; int32 loads of inductor's CPU vectors go through a buffer copy in torch==2.13.0, 5x
+    slower), each word bitcast to int32 in registers, where a shift left then an arithmetic shift right gives each
+    weight as a sign-extended int32, then a float. The activations are realized once as floats, grouped by byte
+    position ([4, M, K/4]), and each row is a reduction of its own: inductor fuses them into one loop over the
+    weights, which unpacks each word once for all rows.
+
+    Skipped (left to the library): more rows or dynamic ones (the encoder, a prefill: there oneDNN's int8 linears
+    cost less, 1.6x float32's at 40 rows on the AMD EPYC Zen 3, and float32 GEMMs of converted weights more), a `K`
+    that cannot be cut into chunks of a multiple of 4, a weight that is not the transposed view of a contiguous
+    [N, K] int8 tensor.
 
     Every instance is equal, as for `OneDNNLinears`.
     """
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         for node in list(graph.nodes):
-            matched = _small_int_mm(node)
+            matched = _int_mm_operands(node)
             if matched is None:
                 continue
             with graph.inserting_before(node):
-                marked = graph.call_function(torch.ops.transformers_flexcache.int8_dot_products.default, matched)
+                marked = graph.call_function(int8_dot_products._opoverload, matched)
             marked.meta.update(node.meta)
             node.replace_all_uses_with(marked)
             graph.erase_node(node)
@@ -249,13 +253,11 @@ class Int8DotProducts(CustomGraphPass):
 
 
 class Int8DotExpansion(CustomGraphPass):
-    """Inductor post-grad pass: each `transformers_flexcache::int8_dot_products(a, w)` that `Int8DotProducts` marked
-    becomes the dot products of its docstring. Every instance is equal, as for `OneDNNLinears`."""
+    """Inductor post-grad pass: each `int8_dot_products(a, w)` that `Int8DotProducts` marked becomes the dot products
+    of its docstring. Every instance is equal, as for `OneDNNLinears`."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        for node in list(
-            graph.find_nodes(op="call_function", target=torch.ops.transformers_flexcache.int8_dot_products.default)
-        ):
+        for node in list(graph.find_nodes(op="call_function", target=int8_dot_products._opoverload)):
             inputs, weight = node.args
             fake_mode = torch._guards.detect_fake_mode([inputs.meta["val"]])
             with graph.inserting_before(node):
@@ -268,7 +270,7 @@ class Int8DotExpansion(CustomGraphPass):
     __hash__ = _type_hash
 
 
-def _small_int_mm(node: torch.fx.Node):
+def _int_mm_operands(node: torch.fx.Node):
     """`(a, w)` where `node` is `aten._int_mm(a [M, K], permute(w [N, K], [1, 0]))` that `Int8DotProducts` takes
     (see its docstring); None otherwise."""
     if node.target is not torch.ops.aten._int_mm.default:
@@ -313,30 +315,35 @@ def _int8_dot_products(graph, fake_mode, inputs, weight) -> torch.fx.Node:
     grouped = call(
         torch.ops.prims.inductor_force_stride_order.default, grouped, [rows * features // 4, features // 4, words, 1]
     )
-    # weights: [N, K] int8 -> float32 words [N, K/4] -> int32 in registers -> [N, 1, C, W]
+    # weights: [N, K] int8 -> float32 words [N, K/4] -> int32 in registers -> [N, C, W], one float tensor per byte
     packed = call(ops.view.dtype, call(ops.view.dtype, weight, torch.float32), torch.int32)
-    packed = call(ops.unsqueeze.default, call(ops.reshape.default, packed, [-1, chunks, words]), 1)
-    total = None
+    packed = call(ops.reshape.default, packed, [-1, chunks, words])
+    unpacked = []
     for byte in range(4):  # little-endian: byte b of a word is feature 4 * w + b
         shifted = call(ops.__lshift__.Scalar, packed, 24 - 8 * byte) if byte < 3 else packed
-        weights = call(
-            torch.ops.prims.convert_element_type.default, call(ops.__rshift__.Scalar, shifted, 24), torch.float32
+        unpacked.append(
+            call(torch.ops.prims.convert_element_type.default, call(ops.__rshift__.Scalar, shifted, 24), torch.float32)
         )
-        product = call(ops.mul.Tensor, weights, call(ops.select.int, grouped, 0, byte))  # [N, M, C, W]
-        total = product if total is None else call(ops.add.Tensor, total, product)
-    sums = call(torch.ops.prims.convert_element_type.default, call(ops.sum.dim_IntList, total, [-1]), torch.int32)
-    if chunks > 1:  # [N, M, C] -> [N, M], in int32
-        sums = call(ops.sum.dim_IntList, sums, [-1], dtype=torch.int32)
-    else:
-        sums = call(ops.squeeze.dim, sums, -1)
-    return call(ops.permute.default, sums, [1, 0])  # [N, M] -> [M, N]
+    # One reduction per row: inductor fuses them into one loop over the weights, unpacking each word once for all rows.
+    results = []
+    for row in range(rows):
+        total = None
+        for byte, weights in enumerate(unpacked):
+            product = call(
+                ops.mul.Tensor, weights, call(ops.select.int, call(ops.select.int, grouped, 0, byte), 0, row)
+            )
+            total = product if total is None else call(ops.add.Tensor, total, product)  # [N, C, W]
+        sums = call(torch.ops.prims.convert_element_type.default, call(ops.sum.dim_IntList, total, [-1]), torch.int32)
+        sums = call(ops.sum.dim_IntList, sums, [-1], dtype=torch.int32)  # [N, C] -> [N], in int32
+        results.append(call(ops.unsqueeze.default, sums, 0))
+    return results[0] if rows == 1 else call(ops.cat.default, results)  # [M, N]
 
 
 def _call(graph: torch.fx.Graph, fake_mode, target, *args, **kwargs) -> torch.fx.Node:
     """A `call_function` node of `target(*args, **kwargs)` with its fake value in `meta["val"]`, as inductor's
     lowering reads."""
     node = graph.call_function(target, args, kwargs)
-    values = (_value(arg, fake_mode) if isinstance(arg, torch.fx.Node) else arg for arg in args)
+    values = torch.fx.node.map_arg(args, lambda arg: _value(arg, fake_mode))  # nested too (a list of tensors)
     node.meta["val"] = target(*values, **kwargs)
     return node
 

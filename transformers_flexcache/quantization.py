@@ -27,11 +27,13 @@ Design decisions:
   AMD EPYC (Zen 3, AVX2): one compiled 512x2048 int8 linear off the eager int8 linear by 2.85 on outputs up to 6.7,
   the tiny T5's compiled int8 tokens 46% equal to eager int8's. At 7 bits the compiled linear equals the eager one
   (4.8e-7) and its error against fp32 doubles (0.53 against 0.23 at 8 bits, activations with outliers): reported by
-  `int8_bits()` and the bench's header. CPUs with VNNI or AMX keep 8 bits. On such a CPU int8 is also slow:
-  oneDNN's int8 linears without VNNI took 5.35 ms where float32's took 1.07 (two 512x2048 linears, one row, compiled,
-  the same AMD EPYC), so `quantize` logs a warning there. (FBGEMM's dynamic int8 linear is fast there, 0.31 ms, but it
-  quantizes activations per tensor, which makes a row's outputs depend on the other rows of its batch, and dynamo
-  cannot trace its packed weights.)
+  `int8_bits()` and the bench's header. CPUs with VNNI or AMX keep 8 bits. On such a CPU oneDNN's int8 linears are
+  also slow (5.35 ms where float32's took 1.07: two 512x2048 linears, one row, compiled, the same AMD EPYC), so the
+  compiled decode steps (up to 8 rows) run exact int8 dot products that inductor generates instead
+  (`compile_config_for_cpu(int8_linears="auto")`, `linear_kernels.Int8DotProducts`), faster than float32 there; the
+  encoder and a prefill (more rows) keep oneDNN's, and `quantize` logs a warning saying so. (FBGEMM's dynamic int8
+  linear is fast there, 0.31 ms, but it quantizes activations per tensor, which makes a row's outputs depend on the
+  other rows of its batch, and dynamo cannot trace its packed weights.)
 - torchao's `set_inductor_config` is turned off: it would change inductor's global settings for the whole process.
 - Compiled graphs of the model from before are dropped (upstream's cached compiled call): frozen graphs hold the
   float weights as constants and would keep running them.
@@ -90,9 +92,10 @@ def quantize(model: nn.Module, mode: str = "int8") -> nn.Module:
     bits = int8_bits()
     if bits == 7:
         logger.warning(
-            "this CPU has no VNNI: int8 is quantized to 7 bits (8 would saturate oneDNN's int8 kernels), and its "
-            "compiled int8 linears run slower than float32 ones here (AMD EPYC Zen 3, AVX2: 5x at one row). Use "
-            "float32 for speed on this CPU; int8 saves memory only."
+            "this CPU has no VNNI: int8 is quantized to 7 bits (8 would saturate oneDNN's int8 kernels). Compiled "
+            "decode steps of up to 8 rows run inductor's int8 dot products (compile_config_for_cpu(int8_linears="
+            "'auto')), but the encoder and prefill run oneDNN's int8 kernels, several times slower than float32's "
+            "on such a CPU (AMD EPYC Zen 3, AVX2: 5x at one row)."
         )
     _untie_output_layer(model)
     quantize_(

@@ -11,6 +11,7 @@ import torch
 from transformers import DynamicCache
 
 from tests.model_cases import LLAMA
+from transformers_flexcache import linear_kernels
 from transformers_flexcache.__main__ import main
 from transformers_flexcache.bench.measure import FIGURES, CacheStorageTracker
 from transformers_flexcache.bench.models import DEFAULT_MODELS
@@ -270,6 +271,7 @@ def test_quick_bench_header_says_which_instructions_the_cpu_has_and_which_kernel
     isa = report["machine"]["isa"]
     assert isa["linear_kernels"] in ("onednn", "mkl") and isa["torch_capability"]
     assert isa["one_row_linears"] in ("inductor", "library")
+    assert isa["int8_linears"] == ("library" if linear_kernels.cpu_has_vnni() else "inductor")
     assert "CPU: " in printed.split("\n\n", 1)[0] and "fp32 linears compiled on" in printed
 
 

@@ -56,7 +56,7 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_b
 def isa_info() -> dict:
     """The CPU's vendor and instruction sets that matter here, torch's view of them, the kernels the compiled fp32
     linears use (`compile_config_for_cpu`) and CTranslate2's compute types on this CPU."""
-    from ..linear_kernels import cpu_vendor, resolve_linear_kernels, resolve_one_row_linears
+    from ..linear_kernels import cpu_vendor, resolve_int8_linears, resolve_linear_kernels, resolve_one_row_linears
 
     flags: set[str] = set()
     try:
@@ -77,6 +77,7 @@ def isa_info() -> dict:
         "bf16_native": bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
         "linear_kernels": resolve_linear_kernels("auto"),
         "one_row_linears": resolve_one_row_linears("auto"),
+        "int8_linears": resolve_int8_linears("auto"),
         "ctranslate2_compute_types": compute_types,
         "int8_bits": _int8_bits(),
     }
@@ -514,6 +515,8 @@ def _isa_line(machine: dict) -> str:
     ct2 = f"; CTranslate2 compute types: {', '.join(ct2)}" if ct2 else ""
     bits = isa.get("int8_bits")
     int8 = f"; our int8 at {bits} bits" + (" (no VNNI: 8 would saturate)" if bits == 7 else "") if bits else ""
+    if bits and isa.get("int8_linears") == "inductor":
+        int8 += ", its decode steps as inductor's dot products"
     one_row = " (one-row graphs: inductor's dot products)" if isa.get("one_row_linears") == "inductor" else ""
     return (
         f"CPU: {isa.get('vendor') or '?'}, {flags}; torch {isa.get('torch_capability')}, {bf16}\n"

@@ -20,6 +20,10 @@ Design decisions:
   by side. `OneRowLinears` makes that rewrite, before `OneDNNLinears`. At 2-4 rows the same rewrite reads the
   weight once per row and loses (4 rows: 53 against 47 ms), so it is for one row only. `"auto"` applies it where
   the CPU is not Intel's; on Intel CPUs (MKL) it is not measured yet.
+- int8 (`quantize(model, "int8")`): on CPUs without VNNI oneDNN's int8 linears are 5-6x slower than float32's at a
+  few rows; `Int8DotProducts` and `Int8DotExpansion` run the int8 products of decode steps (at most 8 rows) as exact
+  dot products that inductor generates instead (see `Int8DotProducts`). `"auto"` applies them where the CPU has no
+  VNNI.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ Design decisions:
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
@@ -219,11 +220,13 @@ class Int8DotProducts(CustomGraphPass):
 
     Why two passes: freezing turns `_int_mm` with a constant weight into oneDNN's int8 linear
     (`onednn.qlinear_pointwise`) and folds the pointwise work on constants into new constants (here: unpacked
-    copies of the weights). The custom op is neither matched nor folded (its activations are not constant), and once frozen the expansion is left as it is written.
+    copies of the weights). The custom op is neither matched nor folded (its activations are not constant), and
+    once frozen the expansion is left as it is written.
 
     Why it is exact: the products are integers of at most 128 * 128 in magnitude (128 * 255 for uint8 activations),
-    so float32 sums of up to 1024 (514) of them, in any order, are exact integers. `K` is cut into chunks that size or
-    below, each summed in float32 and converted to int32, and the chunks summed in int32: `_int_mm`'s result, bit for bit.
+    so float32 sums of up to 1024 (514) of them, in any order, are exact integers. `K` is cut into chunks that size
+    or below, each summed in float32 and converted to int32, and the chunks summed in int32: `_int_mm`'s result, bit
+    for bit.
 
     How the dot products read the weights: as float32 words of four int8 weights each (a view of the storage:
     full-width vector loads; int32 loads of inductor's CPU vectors go through a buffer copy in torch==2.13.0, 5x
@@ -235,7 +238,7 @@ class Int8DotProducts(CustomGraphPass):
     Skipped (left to the library): more rows or dynamic ones (the encoder, a prefill: there oneDNN's int8 linears
     cost less, 1.6x float32's at 40 rows on the AMD EPYC Zen 3, and float32 GEMMs of converted weights more), a `K`
     that cannot be cut into chunks of a multiple of 4, a weight that is not the transposed view of a contiguous
-    [N, K] int8 tensor.
+    [N, K] int8 tensor at a 4-byte offset, a big-endian machine (the bytes of a word are read little-endian).
 
     Every instance is equal, as for `OneDNNLinears`.
     """
@@ -289,7 +292,9 @@ def _int_mm_operands(node: torch.fx.Node):
         return None
     if value.dtype not in (torch.int8, torch.uint8) or weight_value is None or weight_value.dtype != torch.int8:
         return None
-    if not weight_value.is_contiguous() or _chunk(features, value.dtype) is None:
+    if not weight_value.is_contiguous() or weight_value.storage_offset() % 4 or sys.byteorder != "little":
+        return None
+    if _chunk(features, value.dtype) is None:
         return None
     return inputs, weight
 

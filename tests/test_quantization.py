@@ -295,7 +295,7 @@ def test_8_bit_int8_weights_are_refused_for_a_compiled_call_on_a_cpu_without_vnn
 
     monkeypatch.setattr(torchao.utils, "should_reduce_range", lambda device: False)
     upstream, flex = quantized_pair(LLAMA)
-    monkeypatch.setattr(quantization, "_cpu_without_vnni", lambda: True)
+    monkeypatch.setattr(quantization, "cpu_has_vnni", lambda: False)
     inputs = LLAMA.make_inputs(2, 5, torch.Generator().manual_seed(0))
     cache_config = cache_config_for(LLAMA, "padded")
     compiled = {"cache_implementation": "flexible_static", "cache_config": cache_config, "max_new_tokens": 3}

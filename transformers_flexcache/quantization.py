@@ -41,11 +41,10 @@ Design decisions:
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
+from .linear_kernels import cpu_has_vnni
 from .log import get_logger
 
 logger = get_logger(__name__)
@@ -120,7 +119,7 @@ def check_compiled_int8(model: nn.Module) -> None:
     """Raise a `ValueError` where `model` holds int8 weights at 8-bit ranges (quantized on a CPU with VNNI) and this
     CPU has none: its compiled int8 GEMMs would saturate (see the module docstring). Called before a compiled call
     changes anything; on a CPU without VNNI, float models pass at the cost of finding their first linear layer."""
-    if not _cpu_without_vnni():  # cached: nothing else runs on a CPU with VNNI
+    if cpu_has_vnni():  # cached: nothing else runs on a CPU with VNNI
         return
     first = next((module for module in model.modules() if isinstance(module, nn.Linear)), None)
     if first is not None and _is_quantized(first.weight) and not getattr(first.weight, "reduce_range", True):
@@ -129,15 +128,6 @@ def check_compiled_int8(model: nn.Module) -> None:
             "(no VNNI: AVX2 only), giving wrong outputs: quantize the float model on this machine "
             '(quantize(model, "int8") uses 7 bits here), or run it without compile_config'
         )
-
-
-@functools.cache
-def _cpu_without_vnni() -> bool:
-    """Whether int8 runs at 7 bits here; False without torchao (no model then holds its int8 weights)."""
-    try:
-        return int8_bits() == 7
-    except ImportError:
-        return False
 
 
 def quantization_of(model: nn.Module) -> str | None:

@@ -17,7 +17,10 @@ Tolerances. Tokens must be equal, always. Scores:
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import sys
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +35,25 @@ def own_copy(inputs: dict) -> dict:
     # Beam search and num_return_sequences expand `encoder_outputs` in place (GenerationMixin.
     # _expand_inputs_for_generation), so each generate gets its own shallow copy of model outputs it is given.
     return {key: copy.copy(value) if isinstance(value, ModelOutput) else value for key, value in inputs.items()}
+
+
+@contextlib.contextmanager
+def python_calls(function):
+    """Yields a list whose length is the number of calls of `function` run as Python code within the context, in
+    this thread and in threads started in it: a call that a compiled graph runs (or that dynamo traces) is not one."""
+    code, calls = function.__code__, []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code is code:
+            calls.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    threading.setprofile(profile)
+    try:
+        yield calls
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
 
 
 def generate_both(upstream, flex, inputs: dict, *, cache_config: dict | None = None, seed: int = 0, **kwargs):

@@ -14,11 +14,14 @@ import copy
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounter
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from tests.helpers import assert_same_generation, generate_both
+from tests.helpers import assert_same_generation, generate_both, python_calls
 from tests.model_cases import JAMBA, LLAMA, MARIAN, T5
 from transformers_flexcache import compile_config_for_cpu, quantize
+from transformers_flexcache.cache.placement import cross_attention_projections
+from transformers_flexcache.compiled_encoder import FlexCompileConfig, cross_attention_projector
 from transformers_flexcache.quantization import int8_bits, quantization_of
 
 pytest.importorskip("torchao")
@@ -152,6 +155,83 @@ def _compiled_int8_stream(case, shape_policy: str):
 def test_compiled_int8_padded_t5_generates_the_eager_int8_dynamic_cache_tokens():
     # Frozen inductor: int8 GEMMs with folded scales (about half a minute of compiling).
     _compiled_int8_stream(T5, "padded")
+
+
+def counting_compile_config(counter: CompileCounter) -> FlexCompileConfig:
+    """A `FlexCompileConfig` (encoder compiled too) whose backend counts the graphs and runs them as traced."""
+
+    def backend(graph_module, example_inputs, **kwargs):
+        return counter(graph_module, example_inputs)
+
+    config = FlexCompileConfig(backend=backend, fullgraph=True)
+    config._compile_all_devices = True
+    return config
+
+
+def t5_projection(model):
+    """The function that projects encoder states into a T5 decoder layer's cross-attention keys and values."""
+    return cross_attention_projections(model, model.config.num_decoder_layers)[0]
+
+
+def test_a_compiled_int8_call_projects_cross_attention_in_graphs_of_their_own():
+    # torchao's eager int8 linear recomputes row sums at every call: where the encoder compiles, the first decoder
+    # step's cross-attention projections run compiled too, in one graph with dynamic shapes (one for a single row, one
+    # for more), and none runs as Python. The tracing backend runs the graphs as traced: scores against eager int8.
+    upstream, flex = quantized_pair(T5)
+    counter = CompileCounter()
+    compile_config = counting_compile_config(counter)
+    generator = torch.Generator().manual_seed(0)
+    common = {"max_new_tokens": 4, "do_sample": False}
+    with python_calls(t5_projection(flex)) as eager_calls:  # the spy sees an eager call's projections
+        flex.generate(**T5.make_inputs(2, 6, generator), cache_implementation="flexible_static", **common)
+    assert len(eager_calls) == flex.config.num_decoder_layers
+    for batch_size, length in [(3, 9), (1, 5), (4, 10), (2, 7)]:
+        inputs = T5.make_inputs(batch_size, length, generator)
+        with python_calls(t5_projection(flex)) as calls:
+            expected, actual = generate_both(
+                upstream,
+                flex,
+                inputs,
+                cache_config=cache_config_for(T5, "padded"),
+                compile_config=compile_config,
+                **common,
+            )
+        assert calls == [], (batch_size, length)
+        assert_int8_scores(expected, actual)
+    assert counter.frame_count == 1 + 2 + 2  # the decode step; the encoder and the projections, 1 row and more
+
+
+def test_float32_cross_attention_projections_stay_eager():
+    # Compiled, they gained nothing in float32 (compiled_encoder.py): the projector runs each layer's in Python.
+    _, flex = T5.build("sdpa")
+    projector = cross_attention_projector(flex, counting_compile_config(CompileCounter()), [t5_projection(flex)])
+    with python_calls(t5_projection(flex)) as calls:
+        projector(torch.randn(2, 5, flex.config.d_model))
+    assert len(calls) == 1
+
+
+def test_a_compiled_engine_projects_int8_requests_cross_attention_in_its_warmed_up_graphs():
+    from transformers_flexcache.serving import Engine
+
+    upstream, flex = quantized_pair(T5)
+    generator = torch.Generator().manual_seed(5)
+    stream = [T5.make_inputs(1, 4 + 2 * i, generator) for i in range(4)]
+    common = {"max_new_tokens": 5, "do_sample": False}
+    expected = [
+        upstream.generate(**inputs, **common, output_scores=True, return_dict_in_generate=True) for inputs in stream
+    ]
+    counter = CompileCounter()
+    config = {"shape_policy": "padded", "max_batch_size": 4, "max_cache_len": 16, "max_encoder_len": 12}
+    with python_calls(t5_projection(flex)) as calls:  # in the engine's thread too
+        with Engine(flex, cache_config=config, compile_config=counting_compile_config(counter)) as engine:
+            engine.warmup()
+            warm = counter.frame_count
+            handles = [engine.submit(**inputs, **common) for inputs in stream]
+            outputs = [handle.result(timeout=120) for handle in handles]
+    assert warm == 1 + 2 + 2  # the decode step; the encoder and the projections, 1 row and more
+    assert counter.frame_count == warm and calls == []
+    for want, got in zip(expected, outputs, strict=True):
+        assert_int8_tokens(want, got)
 
 
 def compiled_int_mm(inputs: torch.Tensor, weight: torch.Tensor, int8_linears: str) -> tuple[torch.Tensor, set[str]]:

@@ -39,7 +39,7 @@ from ..cache.config import Overflow, overflow_message
 from ..cache.placement import KEY_PROJECTION_NAMES, attention_modules, cross_attention_projections
 from ..cache.seats import FlexibleSeatCache, FlexibleSeatEncoderDecoderCache
 from ..compilation import compile_settings, explained_recompile_limit
-from ..compiled_encoder import compiled_encoder, encoder_compiles
+from ..compiled_encoder import compiled_encoder, cross_attention_projector, encoder_compiles
 from ..quantization import check_compiled_int8
 from . import steps
 from .handle import EngineClosedError, QueueFullError, RequestCancelledError, RequestHandle
@@ -131,6 +131,12 @@ class Engine:
         # A FlexCompileConfig (compile_config_for_cpu()) compiles the batched token encoder too, with dynamic shapes.
         self.compiled_encoder = (
             compiled_encoder(model, compile_config) if encoder_compiles(model, compile_config) else None
+        )
+        # The projections as a request joins: compiled for a quantized model (`cross_attention_projector`).
+        self.project_cross_attention = (
+            cross_attention_projector(model, compile_config, self.cross_attention_projections)
+            if self.cross_attention_projections is not None
+            else None
         )
         self._mask_fill = torch.finfo(model.dtype).min if model.config._attn_implementation == "eager" else None
 

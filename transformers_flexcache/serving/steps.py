@@ -161,7 +161,10 @@ def run_dummy_encoder(engine, rows: int) -> None:
         "output_hidden_states": False,
         "return_dict": True,
     }
-    _encoder_for(engine, batch)(**batch)
+    states = _encoder_for(engine, batch)(**batch).last_hidden_state
+    if engine.project_cross_attention is not None:  # compiled for a quantized model: its graph for that many rows
+        with engine.compile_settings():
+            engine.project_cross_attention(states)
 
 
 # --- prefills ---------------------------------------------------------------------------------------------------
@@ -262,8 +265,9 @@ def _join(engine, workers: list[RequestWorker]) -> list:
     encoder_valid = _add_encoder_inputs(engine, items, kwargs)  # batched, right-padded encoder states and masks
     states = kwargs["encoder_outputs"][0]  # [A, E, d]
     rows = torch.cat([seats.rows for seats, _ in items])
-    for layer_idx, project in enumerate(engine.cross_attention_projections):
-        key_states, value_states = project(states)  # each override's projection, as in its forward
+    with engine.compile_settings():  # each override's projection, as in its forward
+        projected = engine.project_cross_attention(states)
+    for layer_idx, (key_states, value_states) in enumerate(projected):
         engine.cache.write_cross_attention(layer_idx, rows, key_states, value_states)
     no_columns = torch.zeros((len(rows), 0), dtype=torch.bool)
     engine.cache.admit(rows, no_columns, torch.zeros(len(rows), dtype=torch.long), encoder_valid)

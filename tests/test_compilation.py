@@ -15,7 +15,13 @@ from tests.helpers import assert_same_generation, assert_same_padded_generation,
 from tests.model_cases import BART, LLAMA, T5
 from transformers_flexcache import compile_config_for_cpu, linear_kernels
 from transformers_flexcache.compilation import compile_settings
-from transformers_flexcache.linear_kernels import Int8DotExpansion, Int8DotProducts, OneDNNLinears, OneRowLinears
+from transformers_flexcache.linear_kernels import (
+    Int8DotExpansion,
+    Int8DotProducts,
+    Int8FloatGemms,
+    OneDNNLinears,
+    OneRowLinears,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -77,13 +83,15 @@ def test_auto_one_row_linears_are_inductor_s_where_the_cpu_is_not_intel_s(monkey
 
 
 def test_int8_dot_products_are_marked_before_freezing_and_expanded_first_after_it():
+    # Float GEMMs are written before freezing too, so that it folds the weights' conversion into float copies.
     config = compile_config_for_cpu(linear_kernels="onednn", one_row_linears="inductor", int8_linears="inductor")
-    assert config.options["joint_custom_post_pass"] == (Int8DotProducts(),)
+    assert config.options["joint_custom_post_pass"] == (Int8DotProducts(), Int8FloatGemms())
     assert config.options["post_grad_custom_post_pass"] == (Int8DotExpansion(), OneRowLinears(), OneDNNLinears())
     assert (
         compile_config_for_cpu(linear_kernels="onednn", one_row_linears="inductor", int8_linears="inductor") == config
     )
-    assert len({Int8DotProducts().uuid(), Int8DotExpansion().uuid(), OneRowLinears().uuid()}) == 3
+    passes = (Int8DotProducts(), Int8FloatGemms(), Int8DotExpansion(), OneRowLinears())
+    assert len({graph_pass.uuid() for graph_pass in passes}) == 4
 
 
 @pytest.mark.parametrize(("vnni", "expected"), [(True, "library"), (False, "inductor")])

@@ -21,7 +21,8 @@ from tests.helpers import assert_same_generation, generate_both, python_calls
 from tests.model_cases import JAMBA, LLAMA, MARIAN, T5
 from transformers_flexcache import compile_config_for_cpu, quantize
 from transformers_flexcache.cache.placement import cross_attention_projections
-from transformers_flexcache.compiled_encoder import FlexCompileConfig, cross_attention_projector
+from transformers_flexcache.compiled_encoder import FlexCompileConfig, compiled_encoder, cross_attention_projector
+from transformers_flexcache.linear_kernels import Int8FloatGemms
 from transformers_flexcache.quantization import int8_bits, quantization_of
 
 pytest.importorskip("torchao")
@@ -234,13 +235,101 @@ def test_a_compiled_engine_projects_int8_requests_cross_attention_in_its_warmed_
         assert_int8_tokens(want, got)
 
 
-def compiled_int_mm(inputs: torch.Tensor, weight: torch.Tensor, int8_linears: str) -> tuple[torch.Tensor, set[str]]:
-    """`torch._int_mm(inputs, weight.T)` compiled under `compile_config_for_cpu(int8_linears=...)`, and the ops its
-    second run called."""
+def recording_compile_config(compiled: list) -> FlexCompileConfig:
+    """`compile_config_for_cpu(int8_linears="inductor")`'s int8 passes on a backend that runs each graph as traced
+    and appends to `compiled` which kernels inductor would have given it: `"float_gemms"` (the config's own) or
+    `"library"` (the compile without `Int8FloatGemms`)."""
+
+    def backend(graph_module, example_inputs, options=None, **kwargs):
+        passes = (options or {}).get("joint_custom_post_pass", ())
+        compiled.append("float_gemms" if Int8FloatGemms() in passes else "library")
+        return graph_module.forward
+
+    config = FlexCompileConfig(
+        backend=backend, fullgraph=True, mode=None, options={"joint_custom_post_pass": (Int8FloatGemms(),)}
+    )
+    config._compile_all_devices = True
+    return config
+
+
+def test_an_int8_encoder_runs_float_gemms_up_to_128_positions_and_the_library_s_int8_kernels_beyond():
+    # Float32 GEMMs of the integers beat oneDNN's int8 linears on a CPU without VNNI at few rows, and lose at many
+    # (compiled_encoder.py): the compiled encoder has one compile of each, chosen by the call's batch x positions.
+    _, flex = quantized_pair(T5)
+    compiled = []
+    encoder = compiled_encoder(flex, recording_compile_config(compiled))
+    generator = torch.Generator().manual_seed(0)
+    for batch, positions, expected in [
+        (3, 9, ["float_gemms"]),  # 27 positions: several rows
+        (4, 32, []),  # 128: the same graph
+        (4, 33, ["library"]),  # 132
+        (2, 70, []),
+        (1, 200, ["float_gemms"]),  # a single row: float GEMMs at any length
+    ]:
+        ids = torch.randint(3, 99, (batch, positions), generator=generator)
+        before = len(compiled)
+        with torch.no_grad():
+            out = encoder(input_ids=ids, attention_mask=torch.ones_like(ids), return_dict=True)
+            want = flex.get_encoder()(input_ids=ids, attention_mask=torch.ones_like(ids), return_dict=True)
+        assert compiled[before:] == expected, (batch, positions)
+        torch.testing.assert_close(out.last_hidden_state, want.last_hidden_state)
+
+
+def test_warmups_compile_both_kernels_of_an_int8_encoder_so_that_no_call_compiles():
+    # generate's warmup() and the engine's: the int8 encoder's and projections' graphs of one row, several rows and
+    # many positions, wherever the capacities reach them.
+    from transformers_flexcache import warmup
+    from transformers_flexcache.serving import Engine
+
+    upstream, flex = quantized_pair(T5)
+    compiled = []
+    compile_config = recording_compile_config(compiled)
+    generator = torch.Generator().manual_seed(2)
+    config = {"shape_policy": "padded", "max_batch_size": 4, "max_cache_len": 16, "max_encoder_len": 40}
+    common = {"max_new_tokens": 3, "do_sample": False}
+    warmup(
+        flex,
+        lambda b, n: T5.make_inputs(b, n, generator),
+        cache_config=config,
+        compile_config=compile_config,
+        **common,
+    )
+    # the decode step; the encoder and the projections: one row, several, and more than 128 positions
+    assert sorted(compiled) == ["float_gemms"] * 5 + ["library"] * 2
+    for batch, positions in [(1, 40), (4, 40), (3, 10), (2, 2)]:
+        inputs = T5.make_inputs(batch, positions, generator)
+        expected, actual = generate_both(
+            upstream, flex, inputs, cache_config=config, compile_config=compile_config, **common
+        )
+        assert_int8_scores(expected, actual)
+    torch._dynamo.reset()
+    compiled.clear()
+    with Engine(flex, cache_config=config, compile_config=compile_config) as engine:
+        engine.warmup()
+        assert sorted(compiled) == ["float_gemms"] * 5 + ["library"] * 2
+        stream = [T5.make_inputs(1, 36 + i, generator) for i in range(4)]
+        outputs = [handle.result(timeout=120) for handle in [engine.submit(**inputs, **common) for inputs in stream]]
+    assert len(compiled) == 7
+    for inputs, got in zip(stream, outputs, strict=True):
+        assert_int8_tokens(
+            upstream.generate(**inputs, **common, output_scores=True, return_dict_in_generate=True), got
+        )
+
+
+def compiled_int_mm(
+    inputs: torch.Tensor, weight: torch.Tensor, int8_linears: str, *, dynamic_rows: bool = False
+) -> tuple[torch.Tensor, set[str]]:
+    """`torch._int_mm(inputs, weight.T)` compiled under `compile_config_for_cpu(int8_linears=...)` (its rows dynamic
+    with `dynamic_rows`, as in the compiled encoder), and the ops its second run called."""
     config = compile_config_for_cpu(int8_linears=int8_linears)
     compiled = torch.compile(
-        lambda a, w: torch._int_mm(a, w.t()), backend="inductor", dynamic=False, options=config.options
+        lambda a, w: torch._int_mm(a, w.t()),
+        backend="inductor",
+        dynamic=None if dynamic_rows else False,
+        options=config.options,
     )
+    if dynamic_rows:
+        torch._dynamo.mark_dynamic(inputs, 0)
     compiled(inputs, weight)
     with torch.profiler.profile() as profile:
         out = compiled(inputs, weight)
@@ -250,11 +339,7 @@ def compiled_int_mm(inputs: torch.Tensor, weight: torch.Tensor, int8_linears: st
 @pytest.mark.parametrize("rows", [1, 3, 8, 9])
 @pytest.mark.parametrize(("features", "dtype"), [(512, torch.int8), (2048, torch.int8), (2048, torch.uint8)])
 def test_int8_dot_products_equal_int_mm_bit_for_bit_up_to_8_rows(rows, features, dtype):
-    generator = torch.Generator().manual_seed(0)
-    # Products of one sign near the ends of the ranges: sums past 2**24, where float32 holds even integers only.
-    low, high = (100, 128) if dtype == torch.int8 else (200, 256)
-    inputs = torch.randint(low, high, (rows, features), generator=generator).to(dtype)
-    weight = torch.randint(-128, -100, (24, features), generator=generator, dtype=torch.int8)
+    inputs, weight = int8_operands(rows, features, dtype)
     expected = torch._int_mm(inputs, weight.t())
     if features > 1024:  # one float32 sum per output could not give these
         assert expected.abs().max() > 2**24 and (expected % 2 == 1).any()
@@ -263,30 +348,71 @@ def test_int8_dot_products_equal_int_mm_bit_for_bit_up_to_8_rows(rows, features,
     assert ("aten::_int_mm" in ops) == (rows > 8)  # rewritten up to 8 rows, the library's beyond
 
 
+def int8_operands(rows: int, features: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations and a [24, features] int8 weight whose products, of one sign near the ends of the ranges, sum
+    past 2**24 (where float32 holds even integers only) when `features` > 1024."""
+    generator = torch.Generator().manual_seed(0)
+    low, high = (100, 128) if dtype == torch.int8 else (200, 256)
+    inputs = torch.randint(low, high, (rows, features), generator=generator).to(dtype)
+    weight = torch.randint(-128, -100, (24, features), generator=generator, dtype=torch.int8)
+    return inputs, weight
+
+
+@pytest.mark.parametrize("rows", [2, 9, 40])
+@pytest.mark.parametrize(("features", "dtype"), [(512, torch.int8), (2048, torch.int8), (2048, torch.uint8)])
+def test_int8_float_gemms_equal_int_mm_bit_for_bit_at_dynamic_rows(rows, features, dtype):
+    inputs, weight = int8_operands(rows, features, dtype)
+    expected = torch._int_mm(inputs, weight.t())
+    if features > 1024:  # one float32 GEMM over all features could not give these
+        assert expected.abs().max() > 2**24 and (expected % 2 == 1).any()
+    out, ops = compiled_int_mm(inputs, weight, "inductor", dynamic_rows=True)
+    assert torch.equal(out, expected)
+    assert "aten::_int_mm" not in ops and "aten::mm" in ops
+
+
+def test_int8_float_gemms_are_left_to_the_library_where_float32_gemms_may_round(monkeypatch):
+    # Under a lower matmul precision float32 GEMMs may run in bf16 or tf32: not exact, so not used.
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "medium")
+    inputs, weight = int8_operands(9, 512, torch.int8)
+    out, ops = compiled_int_mm(inputs, weight, "inductor", dynamic_rows=True)
+    assert torch.equal(out, torch._int_mm(inputs, weight.t()))
+    assert "aten::_int_mm" in ops
+
+
 def test_compiled_int8_dot_products_generate_the_eager_int8_dynamic_cache_tokens():
-    # Forced on (the default where the CPU has no VNNI): the decode steps run no library int8 linear.
+    # Forced on (the default where the CPU has no VNNI): the decode steps (dot products), the encoder and the
+    # cross-attention projections (float GEMMs) run no library int8 linear.
     upstream, flex = quantized_pair(T5)
     inputs = T5.make_inputs(3, 7, torch.Generator().manual_seed(0))
+    common = {"max_new_tokens": 5, "do_sample": False, "return_dict_in_generate": True, "output_scores": True}
+    expected = upstream.generate(**inputs, **common)
     calls = {}
     for int8_linears in ("inductor", "library"):
         torch._dynamo.reset()
         compile_config = compile_config_for_cpu(int8_linears=int8_linears)
         for _ in range(2):  # the second call, compiled
-            with torch.profiler.profile() as profile:
-                expected, actual = generate_both(
-                    upstream,
-                    flex,
-                    inputs,
+            with torch.profiler.profile(record_shapes=True) as profile:
+                actual = flex.generate(
+                    **inputs,
+                    **common,
+                    cache_implementation="flexible_static",
                     cache_config=cache_config_for(T5, "padded"),
-                    max_new_tokens=5,
-                    do_sample=False,
                     compile_config=compile_config,
                 )
         assert_int8_scores(expected, actual)
-        # a library int8 linear: oneDNN's (frozen) or `_int_mm` (whichever this CPU's inductor picks)
+        # a library int8 linear: oneDNN's (frozen) or `_int_mm` (whichever this CPU's inductor picks), in a decode
+        # step or in the encoder and cross-attention projections (more than 8 rows)
         library_ops = ("onednn::qlinear_pointwise", "aten::_int_mm")
-        calls[int8_linears] = sum(e.count for e in profile.key_averages() if e.key in library_ops)
-    assert calls["inductor"] < calls["library"], calls
+        events = profile.key_averages(group_by_input_shape=True)
+        for many_rows in (False, True):
+            calls[int8_linears, many_rows] = sum(
+                event.count
+                for event in events
+                if event.key in library_ops and (event.input_shapes[0][0] > 8) == many_rows
+            )
+    # The tiny T5's 37 features of its second feed-forward linear are no multiple of 4: the dot products leave it.
+    assert calls["inductor", False] < calls["library", False] and calls["inductor", True] == 0, calls
+    assert calls["library", True] > 0, calls
 
 
 @pytest.mark.slow

@@ -35,10 +35,11 @@ from transformers import CompileConfig
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
 from .cache import CacheConfig
-from .compiled_encoder import FlexCompileConfig, encoder_compiles
+from .compiled_encoder import FlexCompileConfig, encoder_graph, encoder_warmup_calls, has_int8_variants
 from .linear_kernels import (
     Int8DotExpansion,
     Int8DotProducts,
+    Int8FloatGemms,
     OneDNNLinears,
     OneRowLinears,
     resolve_int8_linears,
@@ -111,7 +112,7 @@ def compile_config_for_cpu(
     passes = []  # one-row linears first: `OneDNNLinears` repacks whichever MKL linears are left
     kernel_options = {}
     if resolve_int8_linears(int8_linears) == "inductor":  # marked before freezing, expanded after
-        kernel_options["joint_custom_post_pass"] = (Int8DotProducts(),)
+        kernel_options["joint_custom_post_pass"] = (Int8DotProducts(), Int8FloatGemms())
         passes.append(Int8DotExpansion())
     if resolve_one_row_linears(one_row_linears) == "inductor":
         passes.append(OneRowLinears())
@@ -217,14 +218,25 @@ def warmup(
 
 
 def _encoder_shapes(model, shapes: list, compile_config) -> list:
-    """The call that compiles the encoder graph the shapes leave out: a compiled encoder (`compiled_encoder.py`) runs
-    at the call's own rows with dynamic shapes, one graph for a single row and one for more. Each shape's call ran
-    at its bucket's rows (the capacity always among them), so the single-row graph is missing where no bucket is 1."""
-    if not (encoder_compiles(model, compile_config) and shapes):
+    """The calls that compile the encoder graphs the shapes leave out: a compiled encoder (`compiled_encoder.py`) runs
+    at the call's own rows and length with dynamic shapes: one graph for a single row, one for more, and for an int8
+    model one more for many (`compiled_encoder.encoder_graph`). Each shape's call ran at its bucket's rows and
+    length (the capacities always among them); a graph none of them reached gets a call of its own."""
+    if not shapes:
         return []
-    if any(shape.batch_size == 1 for shape in shapes):
-        return []
-    return [dataclasses.replace(min(shapes, key=lambda shape: (shape.batch_size, shape.length)), batch_size=1)]
+    calls = encoder_warmup_calls(
+        model, compile_config, max(shape.batch_size for shape in shapes), max(shape.length for shape in shapes)
+    )
+    variants = has_int8_variants(model, compile_config)
+    reached = {
+        encoder_graph(shape.batch_size, shape.length, int8_variants=variants) for shape in shapes if shape.length > 1
+    }
+    smallest = min(shapes, key=lambda shape: (shape.batch_size, shape.length))
+    return [
+        dataclasses.replace(smallest, batch_size=batch, length=positions)
+        for batch, positions in calls
+        if encoder_graph(batch, positions, int8_variants=variants) not in reached
+    ]
 
 
 def _run_shapes(model, make_inputs, shapes, config, compile_config, generate_kwargs: dict) -> None:

@@ -36,6 +36,12 @@ Design decisions:
   EPYC Zen 3), the 6 layers' projections took 8.3 ms compiled against 89.8 eager at 1 x 40 encoder positions, 10.9
   against 252 at 4 x 30, 18.3 against 666 at 8 x 40. In float32 compiling them gained nothing (4.2 against 3.9 ms at
   1 x 40, 24.8 against 22.8 at 8 x 40): they stay eager.
+- On a CPU without VNNI (`compile_config_for_cpu(int8_linears="auto")`) an int8 model's encoder side is compiled
+  twice: with its int8 matrix multiplies as exact float32 GEMMs (`linear_kernels.Int8FloatGemms`) and with oneDNN's
+  int8 linears; a call runs the first for a single row or up to `INT8_FLOAT_GEMM_MAX_ROWS` positions in all, the
+  second beyond (`encoder_graph`). Measured there (compiled T5 encoder, one thread): float GEMMs 27.1 / 45.6 / 84.1 /
+  166.0 ms at 1 / 2 / 4 / 8 rows of 40 tokens, oneDNN's int8 46.9 / 56.2 / 75.6 / 116.7. Warm-ups compile both
+  (`encoder_warmup_calls`).
 - One compiled encoder (and projection module) per model and config, held beside the model (weakly keyed, as the
   cache pool is: not in the model's `__dict__`, so `copy.deepcopy`, pickling and `torch.save` of the model are
   unaffected).
@@ -53,11 +59,15 @@ from transformers.generation.configuration_utils import GenerationMode
 
 from .cache import is_flexible_cache
 from .cache.placement import cross_attention_projections
+from .linear_kernels import without_int8_float_gemms
 from .quantization import quantization_of
 
-# model -> (compile config, its compiled encoder)
+# An int8 model's compiled encoder side runs float32 GEMMs of its integers (`linear_kernels.Int8FloatGemms`) at up to
+# this many positions in all (rows x positions) or a single row, oneDNN's int8 linears beyond (see the docstring).
+INT8_FLOAT_GEMM_MAX_ROWS = 128
+# model -> (compile config, whether quantized, its compiled encoder)
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# model -> (compile config, its decoder's cross-attention projections, compiled)
+# model -> (compile config, whether quantized, its decoder's cross-attention projections, compiled)
 _COMPILED_PROJECTIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # Encoder arguments that upstream's `_prepare_text_encoder_decoder_kwargs_for_generation` leaves out.
 _NOT_FOR_THE_ENCODER = ("decoder_", "cross_attn", "use_cache", "cache")
@@ -129,8 +139,11 @@ def encode_compiled(model, generation_config, input_ids: torch.Tensor, model_kwa
 
 
 def compiled_encoder(model, compile_config: CompileConfig):
-    """`torch.compile(model.get_encoder(), **compile_config.to_dict(), dynamic=True)`, once per model and config."""
-    return _compiled_once(_COMPILED, model, compile_config, model.get_encoder)
+    """`torch.compile(model.get_encoder(), **compile_config.to_dict(), dynamic=True)`, once per model and config (two
+    compiles for an int8 model, chosen by a call's rows: `encoder_graph`)."""
+    return _compiled_once(
+        _COMPILED, model, compile_config, model.get_encoder, lambda **kwargs: kwargs["input_ids"].shape
+    )
 
 
 def cross_attention_projector(model, compile_config: CompileConfig | None, projections: list):
@@ -141,7 +154,11 @@ def cross_attention_projector(model, compile_config: CompileConfig | None, proje
     compiled = None
     if encoder_compiles(model, compile_config) and quantization_of(projections[0].__self__):
         compiled = _compiled_once(
-            _COMPILED_PROJECTIONS, model, compile_config, lambda: _CrossAttentionProjections(projections)
+            _COMPILED_PROJECTIONS,
+            model,
+            compile_config,
+            lambda: _CrossAttentionProjections(projections),
+            lambda states: states.shape[:2],
         )
 
     def project(states: torch.Tensor) -> list:
@@ -164,15 +181,60 @@ class _CrossAttentionProjections(torch.nn.Module):
         return [attention._flex_project_kv(states) for attention in self.attentions]
 
 
-def _compiled_once(table: weakref.WeakKeyDictionary, model, compile_config: CompileConfig, module):
-    """`torch.compile(module(), **compile_config.to_dict(), dynamic=True)`, held in `table` once per model and
-    config."""
+def _compiled_once(table: weakref.WeakKeyDictionary, model, compile_config: CompileConfig, module, shape_of):
+    """`torch.compile(module(), **compile_config.to_dict(), dynamic=True)`, held in `table` once per model, config
+    and quantization. For an int8 model whose config writes int8 GEMMs of dynamic rows in float32
+    (`linear_kernels.Int8FloatGemms`), a second compile without them, and a function that calls one or the other by
+    the rows of the call (`shape_of(*args, **kwargs)` gives its `(batch, positions)`; see `encoder_graph`)."""
+    quantized = quantization_of(model) is not None
     held = table.get(model)
-    if held is None or held[0] != compile_config:
+    if held is None or held[:2] != (compile_config, quantized):
         arguments = {**compile_config.to_dict(), "dynamic": True}  # one graph for every rows and length
-        held = (compile_config, torch.compile(module(), **arguments))
+        compiled = torch.compile(module(), **arguments)
+        library = without_int8_float_gemms(compile_config) if quantized else None
+        if library is not None:
+            compiled = _ByRows(compiled, torch.compile(module(), **{**library.to_dict(), "dynamic": True}), shape_of)
+        held = (compile_config, quantized, compiled)
         table[model] = held
-    return held[1]
+    return held[2]
+
+
+class _ByRows:
+    """Calls `float_gemms` or `library` (two compiles of one module) by the rows of the call (`encoder_graph`)."""
+
+    def __init__(self, float_gemms, library, shape_of):
+        self.float_gemms, self.library, self.shape_of = float_gemms, library, shape_of
+
+    def __call__(self, *args, **kwargs):
+        batch, positions = self.shape_of(*args, **kwargs)
+        library = encoder_graph(batch, positions, int8_variants=True)[1] == "library"
+        return (self.library if library else self.float_gemms)(*args, **kwargs)
+
+
+def encoder_graph(batch: int, positions: int, *, int8_variants: bool) -> tuple[bool, str]:
+    """Which graph of the compiled encoder (and cross-attention projections) a call of `batch` rows of `positions`
+    runs: `(one row, kind)`, dynamo compiling a single row apart; `kind` is `"library"` for an int8 model's calls of
+    2 rows or more and more than `INT8_FLOAT_GEMM_MAX_ROWS` positions in all (`int8_variants`: oneDNN's int8
+    linears), else `"float_gemms"` (its config's own kernels)."""
+    library = int8_variants and batch > 1 and batch * positions > INT8_FLOAT_GEMM_MAX_ROWS
+    return batch == 1, "library" if library else "float_gemms"
+
+
+def has_int8_variants(model, compile_config) -> bool:
+    """Whether `model`'s compiled encoder side has two compiles (`_compiled_once`)."""
+    return quantization_of(model) is not None and without_int8_float_gemms(compile_config) is not None
+
+
+def encoder_warmup_calls(model, compile_config, max_batch_size: int, max_positions: int) -> list[tuple[int, int]]:
+    """`(batch, positions)` of encoder calls that compile every graph of the compiled encoder side (`encoder_graph`)
+    that calls within the capacities can run; `[]` where the encoder does not compile."""
+    if not encoder_compiles(model, compile_config) or max_positions < 2:
+        return []
+    variants = has_int8_variants(model, compile_config)
+    calls = [(1, 2)] + ([(2, 2)] if max_batch_size > 1 else [])
+    if max_batch_size * max_positions > INT8_FLOAT_GEMM_MAX_ROWS and variants:
+        calls.append((max_batch_size, INT8_FLOAT_GEMM_MAX_ROWS // max_batch_size + 1))
+    return calls
 
 
 def first_step_compiles(model, plan, input_ids: torch.Tensor, generation_config, model_kwargs: dict) -> list | None:

@@ -30,8 +30,10 @@ Design decisions:
   `int8_bits()` and the bench's header. CPUs with VNNI or AMX keep 8 bits. On such a CPU oneDNN's int8 linears are
   also slow (5.35 ms where float32's took 1.07: two 512x2048 linears, one row, compiled, the same AMD EPYC), so the
   compiled decode steps (up to 8 rows) run exact int8 dot products that inductor generates instead
-  (`compile_config_for_cpu(int8_linears="auto")`, `linear_kernels.Int8DotProducts`), faster than float32 there; the
-  encoder and a prefill (more rows) keep oneDNN's, and `quantize` logs a warning saying so. (FBGEMM's dynamic int8
+  (`compile_config_for_cpu(int8_linears="auto")`, `linear_kernels.Int8DotProducts`), faster than float32 there, and
+  the compiled encoder and cross-attention projections (dynamic rows) exact float32 GEMMs of the same integers
+  (`linear_kernels.Int8FloatGemms`: float copies of those weights, folded when the graph is frozen); larger decode
+  steps keep oneDNN's, and `quantize` logs a warning saying so. (FBGEMM's dynamic int8
   linear is fast there, 0.31 ms, but it quantizes activations per tensor, which makes a row's outputs depend on the
   other rows of its batch, and dynamo cannot trace its packed weights.)
 - torchao's `set_inductor_config` is turned off: it would change inductor's global settings for the whole process.
@@ -91,10 +93,11 @@ def quantize(model: nn.Module, mode: str = "int8") -> nn.Module:
     bits = int8_bits()
     if bits == 7:
         logger.warning(
-            "this CPU has no VNNI: int8 is quantized to 7 bits (8 would saturate oneDNN's int8 kernels). Compiled "
-            "decode steps of up to 8 rows run inductor's int8 dot products (compile_config_for_cpu(int8_linears="
-            "'auto')), but the encoder and prefill run oneDNN's int8 kernels, slower than float32's on such a CPU "
-            "(AMD EPYC Zen 3, AVX2: 1.6x at 40 rows), and int8's first token is about twice float32's there."
+            "this CPU has no VNNI: int8 is quantized to 7 bits (8 would saturate oneDNN's int8 kernels). oneDNN's "
+            "int8 kernels are slower than float32's here: under compile_config_for_cpu() (int8_linears='auto') "
+            "decode steps of up to 8 rows and the compiled encoder run exact int8 arithmetic of their own instead "
+            "(the encoder's in float32 GEMMs, holding float copies of its weights); larger decode steps and an eager "
+            "prefill do not."
         )
     _untie_output_layer(model)
     quantize_(

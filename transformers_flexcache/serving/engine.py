@@ -39,7 +39,12 @@ from ..cache.config import Overflow, overflow_message
 from ..cache.placement import KEY_PROJECTION_NAMES, attention_modules, cross_attention_projections
 from ..cache.seats import FlexibleSeatCache, FlexibleSeatEncoderDecoderCache
 from ..compilation import compile_settings, explained_recompile_limit
-from ..compiled_encoder import compiled_encoder, cross_attention_projector, encoder_compiles
+from ..compiled_encoder import (
+    compiled_encoder,
+    cross_attention_projector,
+    encoder_compiles,
+    encoder_warmup_calls,
+)
 from ..quantization import check_compiled_int8
 from . import steps
 from .handle import EngineClosedError, QueueFullError, RequestCancelledError, RequestHandle
@@ -340,10 +345,12 @@ class Engine:
             with explained_recompile_limit(len(shapes)):
                 for span, window, cross_window in shapes:
                     steps.run_dummy_decode(self, span, window, cross_window)
-                if self.compiled_encoder is not None:
-                    # its graphs for a single row and for several (dynamo gives a size of 1 a graph of its own)
-                    for rows in sorted({1, min(2, self.max_batch_size)}):
-                        steps.run_dummy_encoder(self, rows)
+                # the compiled encoder's graphs: a single row (dynamo gives a size of 1 a graph of its own), several
+                # rows, and an int8 model's library kernels for many (`compiled_encoder.encoder_graph`)
+                for rows, positions in encoder_warmup_calls(
+                    self.model, self.compile_config, self.max_batch_size, self.max_encoder_len
+                ):
+                    steps.run_dummy_encoder(self, rows, positions)
         return len(shapes)
 
     def decode_shapes(self) -> list[tuple]:

@@ -150,10 +150,11 @@ def _encoder_for(engine, batch: dict):
     return run
 
 
-def run_dummy_encoder(engine, rows: int) -> None:
-    """The compiled encoder on `rows` rows of two pad tokens (`warmup`), with the arguments a request's encoder call
-    passes (generate's, `generation.py`): compiles its graph for that many rows."""
-    ids = torch.full((rows, 2), engine.pad_token_id, dtype=torch.long, device=engine.model_device)
+def run_dummy_encoder(engine, rows: int, positions: int) -> None:
+    """The compiled encoder on `rows` rows of `positions` pad tokens (`warmup`), with the arguments a request's
+    encoder call passes (generate's, `generation.py`), then the compiled cross-attention projections on its outputs:
+    compiles their graphs for such calls (`compiled_encoder.encoder_graph`)."""
+    ids = torch.full((rows, positions), engine.pad_token_id, dtype=torch.long, device=engine.model_device)
     batch = {
         "input_ids": ids,
         "attention_mask": torch.ones_like(ids),
@@ -162,7 +163,7 @@ def run_dummy_encoder(engine, rows: int) -> None:
         "return_dict": True,
     }
     states = _encoder_for(engine, batch)(**batch).last_hidden_state
-    if engine.project_cross_attention is not None:  # compiled for a quantized model: its graph for that many rows
+    if engine.project_cross_attention is not None:
         with engine.compile_settings():
             engine.project_cross_attention(states)
 

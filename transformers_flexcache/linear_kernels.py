@@ -237,10 +237,10 @@ class Int8DotProducts(CustomGraphPass):
     position ([4, M, K/4]), and each row is a reduction of its own: inductor fuses them into one loop over the
     weights, which unpacks each word once for all rows.
 
-    Skipped (left to the library): more rows or dynamic ones (the encoder, a prefill: there oneDNN's int8 linears
-    cost less, 1.6x float32's at 40 rows on the AMD EPYC Zen 3, and float32 GEMMs of converted weights more), a `K`
-    that cannot be cut into chunks of a multiple of 4, a weight that is not the transposed view of a contiguous
-    [N, K] int8 tensor at a 4-byte offset, a big-endian machine (the bytes of a word are read little-endian).
+    Skipped: dynamic rows (the compiled encoder and cross-attention projections: `Int8FloatGemms`'s), more than 8
+    static rows (the library's), a `K` that cannot be cut into chunks of a multiple of 4, a weight that is not the
+    transposed view of a contiguous [N, K] int8 tensor at a 4-byte offset, a big-endian machine (the bytes of a word
+    are read little-endian).
 
     Every instance is equal, as for `OneDNNLinears`.
     """
@@ -271,13 +271,15 @@ class Int8FloatGemms(CustomGraphPass):
     copy, which the fp32 linear kernels then prepack as they do a float model's (`OneDNNLinears`). That copy is the
     cost: a graph of dynamic rows holds its weights as a float32 graph does (4x their int8 bytes). Measured on that
     AMD EPYC, one thread, t5-small-sized T5 quantized: encoder and projections at 1 x 40 tokens 31 against 57 ms,
-    an int8 call's first token 44 against 69 ms (float32's: 49).
+    an int8 call's first token 45.6 against 68.9 ms (float32's: 49). At many rows oneDNN's int8 linears are faster
+    again (8 x 40 tokens: 117 against 166 ms), so the compiled encoder side keeps a compile without this pass for
+    calls of more than 128 positions (`compiled_encoder.encoder_graph`).
 
     Why it is exact: as in `Int8DotProducts`, `K` is cut into chunks whose products sum below 2**24 in magnitude
     (each chunk one GEMM), so every partial sum a GEMM forms, in any order, is an exact float32 integer; the chunks
     are converted to int32 and added in int32. It needs float32 GEMMs at full precision: under a lower
     `torch.get_float32_matmul_precision()` or `torch.backends.mkldnn.matmul.fp32_precision` (bf16 or tf32
-    arithmetic) the pass leaves `_int_mm` to the library. Static rows are left alone (decode steps: up to 8 rows
+    arithmetic) when the graph compiles, the pass leaves `_int_mm` to the library. Static rows are left alone (decode steps: up to 8 rows
     `Int8DotProducts`'s, more the library's, whose graphs would otherwise each hold float copies).
 
     Every instance is equal, as for `OneDNNLinears`.

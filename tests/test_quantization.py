@@ -433,11 +433,19 @@ def test_a_tied_output_layer_is_untied_so_that_the_embedding_lookup_keeps_float_
     assert torch.equal(model.shared.weight, table)
 
 
-def test_compiled_call_from_before_quantizing_is_dropped():
-    upstream, _ = LLAMA.build("sdpa")
+def test_compiled_calls_from_before_quantizing_are_dropped():
+    from transformers_flexcache import compiled_encoder as held
+
+    upstream, flex = T5.build("sdpa")
     upstream._compiled_call = object()  # what upstream's get_compiled_call caches: graphs with float weights frozen
     quantize(upstream, "int8")
     assert "_compiled_call" not in upstream.__dict__
+    # ours, too: the compiled encoder side of an int8 model is compiled otherwise (`has_int8_variants`)
+    config = compile_config_for_cpu(int8_linears="inductor")
+    float_encoder = compiled_encoder(flex, config)
+    quantize(flex, "int8")
+    assert flex not in held._COMPILED
+    assert compiled_encoder(flex, config) is not float_encoder
 
 
 def _gpt2():

@@ -107,6 +107,9 @@ def quantize(model: nn.Module, mode: str = "int8") -> nn.Module:
     )
     for name in ("_compiled_call", "_last_compile_config"):  # upstream's cached compiled call, float graphs
         model.__dict__.pop(name, None)
+    from .compiled_encoder import forget_compiled  # it reads this module
+
+    forget_compiled(model)  # and ours: the compiled encoder side is chosen by quantization
     return model
 
 

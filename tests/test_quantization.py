@@ -296,12 +296,14 @@ def test_warmups_compile_both_kernels_of_an_int8_encoder_so_that_no_call_compile
     )
     # the decode step; the encoder and the projections: one row, several, and more than 128 positions
     assert sorted(compiled) == ["float_gemms"] * 5 + ["library"] * 2
-    for batch, positions in [(1, 40), (4, 40), (3, 10), (2, 2)]:
+    # cut from the padded rows and positions (a single row of 39: strides of 40), and not
+    for batch, positions in [(1, 39), (4, 36), (3, 10), (2, 2), (4, 40)]:
         inputs = T5.make_inputs(batch, positions, generator)
         expected, actual = generate_both(
             upstream, flex, inputs, cache_config=config, compile_config=compile_config, **common
         )
         assert_int8_scores(expected, actual)
+    assert len(compiled) == 7, compiled
     torch._dynamo.reset()
     compiled.clear()
     with Engine(flex, cache_config=config, compile_config=compile_config) as engine:

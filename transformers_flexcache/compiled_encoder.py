@@ -163,7 +163,8 @@ def cross_attention_projector(model, compile_config: CompileConfig | None, proje
 
     def project(states: torch.Tensor) -> list:
         if compiled is not None and states.shape[1] > 1:
-            return compiled(states.contiguous())  # a graph for contiguous states (a cut of padded ones is not)
+            # Fresh and dense: dynamo guards a view's base and strides, and the states may be a cut of padded ones.
+            return compiled(states.clone(memory_format=torch.contiguous_format))
         return [project_kv(states) for project_kv in projections]
 
     return project

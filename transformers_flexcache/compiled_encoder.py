@@ -60,14 +60,14 @@ from transformers.generation.configuration_utils import GenerationMode
 from .cache import is_flexible_cache
 from .cache.placement import cross_attention_projections
 from .linear_kernels import without_int8_float_gemms
-from .quantization import quantization_of
+from .quantization import first_linear_quantized
 
 # An int8 model's compiled encoder side runs float32 GEMMs of its integers (`linear_kernels.Int8FloatGemms`) at up to
 # this many positions in all (rows x positions) or a single row, oneDNN's int8 linears beyond (see the docstring).
 INT8_FLOAT_GEMM_MAX_ROWS = 128
-# model -> (compile config, its compiled encoder)
+# model -> (compile config, whether quantized, its compiled encoder)
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# model -> (compile config, its decoder's cross-attention projections, compiled)
+# model -> (compile config, whether quantized, its decoder's cross-attention projections, compiled)
 _COMPILED_PROJECTIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # Encoder arguments that upstream's `_prepare_text_encoder_decoder_kwargs_for_generation` leaves out.
 _NOT_FOR_THE_ENCODER = ("decoder_", "cross_attn", "use_cache", "cache")
@@ -152,7 +152,7 @@ def cross_attention_projector(model, compile_config: CompileConfig | None, proje
     `compile_config` compiles its encoder (`encoder_compiles`), else eagerly, one after the other (see the module
     docstring). Encoder states of one position run eagerly (dynamo would give that size a graph of its own)."""
     compiled = None
-    if encoder_compiles(model, compile_config) and quantization_of(projections[0].__self__):
+    if encoder_compiles(model, compile_config) and first_linear_quantized(projections[0].__self__):
         compiled = _compiled_once(
             _COMPILED_PROJECTIONS,
             model,
@@ -184,25 +184,20 @@ class _CrossAttentionProjections(torch.nn.Module):
 
 def _compiled_once(table: weakref.WeakKeyDictionary, model, compile_config: CompileConfig, module, shape_of):
     """`torch.compile(module(), **compile_config.to_dict(), dynamic=True)`, held in `table` once per model and
-    config (`quantize` drops them: `forget_compiled`). For an int8 model whose config writes int8 GEMMs of dynamic
+    config and quantization. For an int8 model whose config writes int8 GEMMs of dynamic
     rows in float32 (`linear_kernels.Int8FloatGemms`), a second compile without them, and a function that calls one
     or the other by the rows of the call (`shape_of(*args, **kwargs)` gives its `(batch, positions)`; see `encoder_graph`)."""
+    quantized = first_linear_quantized(model)  # `quantize` after a float call compiles anew
     held = table.get(model)
-    if held is None or held[0] != compile_config:
+    if held is None or held[:2] != (compile_config, quantized):
         arguments = {**compile_config.to_dict(), "dynamic": True}  # one graph for every rows and length
         compiled = torch.compile(module(), **arguments)
-        if has_int8_variants(model, compile_config):
-            library = without_int8_float_gemms(compile_config)
+        library = without_int8_float_gemms(compile_config) if quantized else None
+        if library is not None:
             compiled = _ByRows(compiled, torch.compile(module(), **{**library.to_dict(), "dynamic": True}), shape_of)
-        held = (compile_config, compiled)
+        held = (compile_config, quantized, compiled)
         table[model] = held
-    return held[1]
-
-
-def forget_compiled(model) -> None:
-    """Drop what this module compiled for `model` (`quantize` calls it: those graphs ran float weights)."""
-    _COMPILED.pop(model, None)
-    _COMPILED_PROJECTIONS.pop(model, None)
+    return held[2]
 
 
 class _ByRows:
@@ -228,7 +223,7 @@ def encoder_graph(batch: int, positions: int, *, int8_variants: bool) -> tuple[b
 
 def has_int8_variants(model, compile_config) -> bool:
     """Whether `model`'s compiled encoder side has two compiles (`_compiled_once`)."""
-    return without_int8_float_gemms(compile_config) is not None and quantization_of(model) is not None
+    return without_int8_float_gemms(compile_config) is not None and first_linear_quantized(model)
 
 
 def encoder_warmup_calls(model, compile_config, max_batch_size: int, max_positions: int) -> list[tuple[int, int]]:

@@ -107,9 +107,6 @@ def quantize(model: nn.Module, mode: str = "int8") -> nn.Module:
     )
     for name in ("_compiled_call", "_last_compile_config"):  # upstream's cached compiled call, float graphs
         model.__dict__.pop(name, None)
-    from .compiled_encoder import forget_compiled  # it reads this module
-
-    forget_compiled(model)  # and ours: the compiled encoder side is chosen by quantization
     return model
 
 
@@ -134,6 +131,13 @@ def check_compiled_int8(model: nn.Module) -> None:
             "(no VNNI: AVX2 only), giving wrong outputs: quantize the float model on this machine "
             '(quantize(model, "int8") uses 7 bits here), or run it without compile_config'
         )
+
+
+def first_linear_quantized(model: nn.Module) -> bool:
+    """Whether the first `nn.Linear` of `model` holds int8 weights: as `quantization_of(model) is not None` for a
+    model that `quantize` quantized (it quantizes every linear), without walking all of them."""
+    first = next((module for module in model.modules() if isinstance(module, nn.Linear)), None)
+    return first is not None and _is_quantized(first.weight)
 
 
 def quantization_of(model: nn.Module) -> str | None:

@@ -32,8 +32,11 @@ INT8_ATOL = 1e-4
 # Padded or compiled against eager int8: an activation rounded to the next int8 value moves scores by about a
 # quantization step (measured on the tiny T5, padded, eager and compiled alike: 0.183 on scores up to 18.7, 1%, at 8
 # bits). At 7 bits (CPUs without VNNI) a step is twice as large, and the moves grow from layer to layer: measured on
-# an AMD EPYC Zen 3, T5 0.396 on 17.0 (2.3%), Marian 5.4% with the encoder eager and 7.4% compiled (slow tests).
-INT8_RTOL = 0.02 if int8_bits() == 8 else 0.1
+# an AMD EPYC Zen 3, T5 0.396 on 17.0 (2.3%), Marian 5.4% with the encoder eager, 7.4% compiled on oneDNN's int8
+# linears and 10.5% (0.868 on 8.25) on exact float32 GEMMs (slow tests), although that encoder's outputs are the
+# nearer to eager int8's (0.043 against 0.059 on outputs up to 3.1): which activation crosses a rounding boundary
+# moves with any float difference.
+INT8_RTOL = 0.02 if int8_bits() == 8 else 0.12
 
 
 def assert_int8_tokens(expected, sequences: torch.Tensor) -> None:

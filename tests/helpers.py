@@ -24,6 +24,7 @@ import threading
 
 import torch
 import torch.nn.functional as F
+from transformers import CompileConfig
 from transformers.modeling_outputs import BaseModelOutput
 from transformers.utils import ModelOutput
 
@@ -54,6 +55,18 @@ def python_calls(function):
     finally:
         sys.setprofile(None)
         threading.setprofile(None)
+
+
+def counting_compile_config(counter, config_class=CompileConfig) -> CompileConfig:
+    """A `config_class` (upstream's `CompileConfig`, or `FlexCompileConfig` to compile the encoder too) whose backend
+    counts the graphs (`torch._dynamo.testing.CompileCounter`) and runs them as traced; compiling on CPU enabled."""
+
+    def backend(graph_module, example_inputs, **kwargs):
+        return counter(graph_module, example_inputs)
+
+    config = config_class(backend=backend, fullgraph=True)
+    config._compile_all_devices = True
+    return config
 
 
 def generate_both(upstream, flex, inputs: dict, *, cache_config: dict | None = None, seed: int = 0, **kwargs):

@@ -17,7 +17,7 @@ import torch
 from torch._dynamo.testing import CompileCounter
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from tests.helpers import assert_same_generation, generate_both, python_calls
+from tests.helpers import assert_same_generation, counting_compile_config, generate_both, python_calls
 from tests.model_cases import JAMBA, LLAMA, MARIAN, T5
 from transformers_flexcache import compile_config_for_cpu, quantize
 from transformers_flexcache.cache.placement import cross_attention_projections
@@ -161,17 +161,6 @@ def test_compiled_int8_padded_t5_generates_the_eager_int8_dynamic_cache_tokens()
     _compiled_int8_stream(T5, "padded")
 
 
-def counting_compile_config(counter: CompileCounter) -> FlexCompileConfig:
-    """A `FlexCompileConfig` (encoder compiled too) whose backend counts the graphs and runs them as traced."""
-
-    def backend(graph_module, example_inputs, **kwargs):
-        return counter(graph_module, example_inputs)
-
-    config = FlexCompileConfig(backend=backend, fullgraph=True)
-    config._compile_all_devices = True
-    return config
-
-
 def t5_projection(model):
     """The function that projects encoder states into a T5 decoder layer's cross-attention keys and values."""
     return cross_attention_projections(model, model.config.num_decoder_layers)[0]
@@ -183,7 +172,7 @@ def test_a_compiled_int8_call_projects_cross_attention_in_graphs_of_their_own():
     # for more), and none runs as Python. The tracing backend runs the graphs as traced: scores against eager int8.
     upstream, flex = quantized_pair(T5)
     counter = CompileCounter()
-    compile_config = counting_compile_config(counter)
+    compile_config = counting_compile_config(counter, FlexCompileConfig)
     generator = torch.Generator().manual_seed(0)
     common = {"max_new_tokens": 4, "do_sample": False}
     with python_calls(t5_projection(flex)) as eager_calls:  # the spy sees an eager call's projections
@@ -208,26 +197,37 @@ def test_a_compiled_int8_call_projects_cross_attention_in_graphs_of_their_own():
 def test_float32_cross_attention_projections_stay_eager():
     # Compiled, they gained nothing in float32 (compiled_encoder.py): the projector runs each layer's in Python.
     _, flex = T5.build("sdpa")
-    projector = cross_attention_projector(flex, counting_compile_config(CompileCounter()), [t5_projection(flex)])
+    projector = cross_attention_projector(
+        flex, counting_compile_config(CompileCounter(), FlexCompileConfig), [t5_projection(flex)]
+    )
     with python_calls(t5_projection(flex)) as calls:
         projector(torch.randn(2, 5, flex.config.d_model))
     assert len(calls) == 1
+
+
+def int8_requests(upstream, case, *, seed: int, new_tokens: int) -> tuple[list, dict, list]:
+    """Four one-row requests of `case` (4, 6, 8, 10 positions), their greedy arguments, and the eager int8 reference's
+    outputs (`upstream`, with scores)."""
+    generator = torch.Generator().manual_seed(seed)
+    stream = [case.make_inputs(1, 4 + 2 * i, generator) for i in range(4)]
+    common = {"max_new_tokens": new_tokens, "do_sample": False}
+    expected = [
+        upstream.generate(**inputs, **common, output_scores=True, return_dict_in_generate=True) for inputs in stream
+    ]
+    return stream, common, expected
 
 
 def test_a_compiled_engine_projects_int8_requests_cross_attention_in_its_warmed_up_graphs():
     from transformers_flexcache.serving import Engine
 
     upstream, flex = quantized_pair(T5)
-    generator = torch.Generator().manual_seed(5)
-    stream = [T5.make_inputs(1, 4 + 2 * i, generator) for i in range(4)]
-    common = {"max_new_tokens": 5, "do_sample": False}
-    expected = [
-        upstream.generate(**inputs, **common, output_scores=True, return_dict_in_generate=True) for inputs in stream
-    ]
+    stream, common, expected = int8_requests(upstream, T5, seed=5, new_tokens=5)
     counter = CompileCounter()
     config = {"shape_policy": "padded", "max_batch_size": 4, "max_cache_len": 16, "max_encoder_len": 12}
     with python_calls(t5_projection(flex)) as calls:  # in the engine's thread too
-        with Engine(flex, cache_config=config, compile_config=counting_compile_config(counter)) as engine:
+        with Engine(
+            flex, cache_config=config, compile_config=counting_compile_config(counter, FlexCompileConfig)
+        ) as engine:
             engine.warmup()
             warm = counter.frame_count
             handles = [engine.submit(**inputs, **common) for inputs in stream]
@@ -488,17 +488,12 @@ def test_the_serving_engine_serves_an_int8_model_as_its_eager_int8_generate(case
     from transformers_flexcache.serving import Engine
 
     upstream, flex = quantized_pair(case)
-    generator = torch.Generator().manual_seed(4)
-    stream = [case.make_inputs(1, 4 + 2 * i, generator) for i in range(4)]
-    common = {"max_new_tokens": 6, "do_sample": False}
-    expected = [
-        upstream.generate(**inputs, **common, output_scores=True, return_dict_in_generate=True) for inputs in stream
-    ]
+    stream, common, expected = int8_requests(upstream, case, seed=4, new_tokens=6)
     capacities = {"max_batch_size": 4, "max_cache_len": 16}
     if flex.config.is_encoder_decoder:
         capacities["max_encoder_len"] = 12
     with Engine(flex, cache_config=capacities) as engine:
-        handles = [engine.submit(**inputs, max_new_tokens=6, do_sample=False) for inputs in stream]
+        handles = [engine.submit(**inputs, **common) for inputs in stream]
         outputs = [handle.result(timeout=120) for handle in handles]
     for want, got in zip(expected, outputs, strict=True):
         assert_int8_tokens(want, got)

@@ -250,11 +250,7 @@ class Int8DotProducts(CustomGraphPass):
             matched = _int_mm_operands(node)
             if matched is None:
                 continue
-            with graph.inserting_before(node):
-                marked = graph.call_function(int8_dot_products._opoverload, matched)
-            marked.meta.update(node.meta)
-            node.replace_all_uses_with(marked)
-            graph.erase_node(node)
+            _replace(graph, node, graph.call_function, int8_dot_products._opoverload, matched)
 
     uuid = _uuid
     __eq__ = _same_type
@@ -279,8 +275,9 @@ class Int8FloatGemms(CustomGraphPass):
     (each chunk one GEMM), so every partial sum a GEMM forms, in any order, is an exact float32 integer; the chunks
     are converted to int32 and added in int32. It needs float32 GEMMs at full precision: under a lower
     `torch.get_float32_matmul_precision()` or `torch.backends.mkldnn.matmul.fp32_precision` (bf16 or tf32
-    arithmetic) when the graph compiles, the pass leaves `_int_mm` to the library. Static rows are left alone (decode steps: up to 8 rows
-    `Int8DotProducts`'s, more the library's, whose graphs would otherwise each hold float copies).
+    arithmetic) when the graph compiles, the pass leaves `_int_mm` to the library. Static rows are left alone
+    (decode steps: up to 8 rows `Int8DotProducts`'s, more the library's, whose graphs would otherwise each hold
+    float copies).
 
     Every instance is equal, as for `OneDNNLinears`.
     """
@@ -292,17 +289,21 @@ class Int8FloatGemms(CustomGraphPass):
             matched = _int_mm_operands(node, dynamic_rows=True)
             if matched is None:
                 continue
-            inputs, weight = matched
-            fake_mode = torch._guards.detect_fake_mode([inputs.meta["val"]])
-            with graph.inserting_before(node):
-                out = _int8_float_gemms(graph, fake_mode, inputs, weight)
-            out.meta.update({**node.meta, "val": out.meta["val"]})
-            node.replace_all_uses_with(out)
-            graph.erase_node(node)
+            fake_mode = torch._guards.detect_fake_mode([matched[0].meta["val"]])
+            _replace(graph, node, _int8_float_gemms, graph, fake_mode, *matched)
 
     uuid = _uuid
     __eq__ = _same_type
     __hash__ = _type_hash
+
+
+def _replace(graph: torch.fx.Graph, node: torch.fx.Node, build, *args) -> None:
+    """Replace `node` by the node `build(*args)` adds before it, which keeps `node`'s metadata beside its own."""
+    with graph.inserting_before(node):
+        out = build(*args)
+    out.meta = {**node.meta, **out.meta}
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
 
 
 def without_int8_float_gemms(compile_config):

@@ -16,7 +16,7 @@ import torch
 from torch._dynamo.testing import CompileCounter
 from transformers import CompileConfig
 
-from tests.helpers import own_copy
+from tests.helpers import counting_compile_config, own_copy
 from tests.model_cases import MODEL_CASES, WHISPER_MAX_SOURCE_POSITIONS
 from transformers_flexcache.serving import (
     Engine,
@@ -413,15 +413,6 @@ def test_leaving_the_context_finishes_what_was_submitted():
 
 
 # --- compiled decode steps --------------------------------------------------------------------------------------
-def counting_compile_config(counter: CompileCounter) -> CompileConfig:
-    def backend(graph_module, example_inputs, **kwargs):
-        return counter(graph_module, example_inputs)
-
-    config = CompileConfig(backend=backend, fullgraph=True)
-    config._compile_all_devices = True
-    return config
-
-
 @pytest.mark.parametrize(
     "name",
     [
@@ -469,8 +460,7 @@ def test_a_compiled_encoder_is_warmed_up_with_the_decode_step_and_serves_the_str
     stream = request_stream(case, num_requests=5)
     expected = [reference(upstream, inputs, kwargs, seed) for inputs, kwargs, seed in stream]
     counter = CompileCounter()
-    compile_config = FlexCompileConfig(backend=counting_compile_config(counter).backend, fullgraph=True)
-    compile_config._compile_all_devices = True
+    compile_config = counting_compile_config(counter, FlexCompileConfig)
     config = {**capacities(flex), "shape_policy": "padded"}
     try:
         with Engine(flex, cache_config=config, compile_config=compile_config) as engine:

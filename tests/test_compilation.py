@@ -18,6 +18,7 @@ from transformers_flexcache.compilation import compile_settings
 from transformers_flexcache.linear_kernels import (
     Int8DotExpansion,
     Int8DotProducts,
+    Int8FbgemmMatmuls,
     Int8FloatGemms,
     OneDNNLinears,
     OneRowLinears,
@@ -94,15 +95,36 @@ def test_int8_dot_products_are_marked_before_freezing_and_expanded_first_after_i
     assert len({graph_pass.uuid() for graph_pass in passes}) == 4
 
 
-@pytest.mark.parametrize(("vnni", "expected"), [(True, "library"), (False, "inductor")])
-def test_auto_int8_linears_are_inductor_s_where_the_cpu_has_no_vnni(monkeypatch, vnni, expected):
+def test_fbgemm_int8_linears_are_marked_before_freezing_with_dot_products_for_fewer_rows():
+    config = compile_config_for_cpu(linear_kernels="onednn", one_row_linears="inductor", int8_linears="fbgemm")
+    assert config.options["joint_custom_post_pass"] == (Int8FbgemmMatmuls(), Int8DotProducts())
+    assert config.options["post_grad_custom_post_pass"] == (Int8DotExpansion(), OneRowLinears(), OneDNNLinears())
+    assert len({Int8FbgemmMatmuls().uuid(), Int8DotProducts().uuid()}) == 2
+
+
+@pytest.mark.parametrize(
+    ("vnni", "fbgemm", "expected"),
+    [(True, True, "library"), (False, True, "fbgemm"), (False, False, "inductor")],
+)
+def test_auto_int8_linears_are_fbgemm_s_where_the_cpu_has_no_vnni(monkeypatch, vnni, fbgemm, expected):
     monkeypatch.setattr(linear_kernels, "cpu_has_vnni", lambda: vnni)
+    monkeypatch.setattr(linear_kernels, "has_fbgemm", lambda: fbgemm)
     assert linear_kernels.resolve_int8_linears("auto") == expected
-    assert ("joint_custom_post_pass" in compile_config_for_cpu().options) == (expected == "inductor")
+    passes = compile_config_for_cpu().options.get("joint_custom_post_pass")
+    assert (
+        passes
+        == {
+            "library": None,
+            "fbgemm": (Int8FbgemmMatmuls(), Int8DotProducts()),
+            "inductor": (Int8DotProducts(), Int8FloatGemms()),
+        }[expected]
+    )
 
 
 def test_unknown_int8_linears_are_refused_with_the_choices():
-    with pytest.raises(ValueError, match=r"int8_linears='vnni' is not one of \('auto', 'inductor', 'library'\)"):
+    with pytest.raises(
+        ValueError, match=r"int8_linears='vnni' is not one of \('auto', 'fbgemm', 'inductor', 'library'\)"
+    ):
         compile_config_for_cpu(int8_linears="vnni")
 
 

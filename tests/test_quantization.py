@@ -11,6 +11,7 @@ int8 rounding boundary, a score moves by about a quantization step: tokens must 
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -21,8 +22,13 @@ from tests.helpers import assert_same_generation, counting_compile_config, gener
 from tests.model_cases import JAMBA, LLAMA, MARIAN, T5
 from transformers_flexcache import compile_config_for_cpu, quantize
 from transformers_flexcache.cache.placement import cross_attention_projections
-from transformers_flexcache.compiled_encoder import FlexCompileConfig, compiled_encoder, cross_attention_projector
-from transformers_flexcache.linear_kernels import Int8FloatGemms
+from transformers_flexcache.compiled_encoder import (
+    FlexCompileConfig,
+    compiled_encoder,
+    cross_attention_projector,
+    has_int8_variants,
+)
+from transformers_flexcache.linear_kernels import Int8FloatGemms, int8_fbgemm_mm
 from transformers_flexcache.quantization import int8_bits, quantization_of
 
 pytest.importorskip("torchao")
@@ -384,15 +390,76 @@ def test_int8_float_gemms_are_left_to_the_library_where_float32_gemms_may_round(
     assert "aten::_int_mm" in ops
 
 
-def test_compiled_int8_dot_products_generate_the_eager_int8_dynamic_cache_tokens():
-    # Forced on (the default where the CPU has no VNNI): the decode steps (dot products), the encoder and the
-    # cross-attention projections (float GEMMs) run no library int8 linear.
+def seven_bit_operands(rows: int, features: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations and a [24, features] 7-bit int8 weight (`quantize`'s on a CPU without VNNI) whose products, of one
+    sign near the ends of the ranges, sum past 2**24 at 3072 int8 features or 2048 uint8 ones."""
+    generator = torch.Generator().manual_seed(0)
+    low, high = (100, 128) if dtype == torch.int8 else (200, 256)
+    inputs = torch.randint(low, high, (rows, features), generator=generator).to(dtype)
+    weight = torch.randint(-64, -50, (24, features), generator=generator, dtype=torch.int8)
+    return inputs, weight
+
+
+FBGEMM_OP = "quantized::linear_with_input_q_dq_qweight_dq_output_fp32"
+
+
+@pytest.mark.parametrize("rows", [2, 3, 9])
+@pytest.mark.parametrize(("features", "dtype"), [(512, torch.int8), (3072, torch.int8), (2048, torch.uint8)])
+def test_fbgemm_int8_products_equal_int_mm_bit_for_bit_from_3_rows_and_at_dynamic_rows(rows, features, dtype):
+    inputs, weight = seven_bit_operands(rows, features, dtype)
+    expected = torch._int_mm(inputs, weight.t())
+    if features > 1024:  # one float32 result of FBGEMM over all features could not give these
+        assert expected.abs().max() > 2**24 and (expected % 2 == 1).any()
+    for dynamic_rows in (False, True):
+        torch._dynamo.reset()
+        out, ops = compiled_int_mm(inputs, weight, "fbgemm", dynamic_rows=dynamic_rows)
+        assert torch.equal(out, expected)
+        assert (FBGEMM_OP in ops) == (dynamic_rows or rows >= 3), ops  # 2 static rows: dot products
+        assert "aten::_int_mm" not in ops
+
+
+def test_fbgemm_int8_products_of_8_bit_weights_run_in_float64_with_a_warning(caplog):
+    # FBGEMM's int8 products saturate on such weights without VNNI; exact in float64 instead.
+    inputs, weight = int8_operands(3, 512, torch.int8)  # weights -128..-101
+    with caplog.at_level(logging.WARNING, logger="transformers_flexcache"):
+        out = int8_fbgemm_mm(inputs, weight)
+    assert torch.equal(out, torch._int_mm(inputs, weight.t()))
+    assert "holds values beyond 7 bits (-128..-101)" in caplog.text
+
+
+def test_a_weight_written_in_place_is_packed_for_fbgemm_again():
+    inputs, weight = seven_bit_operands(4, 512, torch.int8)
+    before = int8_fbgemm_mm(inputs, weight)
+    weight[:, :64] = 63
+    after = int8_fbgemm_mm(inputs, weight)
+    assert torch.equal(after, torch._int_mm(inputs, weight.t())) and not torch.equal(after, before)
+
+
+def test_fbgemm_int8_encoders_compile_once_for_every_size():
+    # Float GEMMs of the integers (`"inductor"`) lose to oneDNN's int8 at many rows: two compiles; FBGEMM's do not.
+    _, flex = quantized_pair(T5)
+    assert not has_int8_variants(flex, compile_config_for_cpu(int8_linears="fbgemm"))
+    assert has_int8_variants(flex, compile_config_for_cpu(int8_linears="inductor"))
+
+
+@pytest.fixture
+def seven_bits(monkeypatch):
+    """`quantize` makes 7-bit weights, as on a CPU without VNNI, whichever CPU runs the test."""
+    import torchao.utils
+
+    monkeypatch.setattr(torchao.utils, "should_reduce_range", lambda device: True)
+
+
+def test_compiled_int8_dot_products_and_fbgemm_generate_the_eager_int8_dynamic_cache_tokens(seven_bits):
+    # Forced on (the default where the CPU has no VNNI is FBGEMM's): "inductor" runs the decode steps as dot
+    # products and the encoder and cross-attention projections as float GEMMs, "fbgemm" all but the decode steps of
+    # 1-2 rows on FBGEMM; neither runs a library int8 linear of more than 8 rows.
     upstream, flex = quantized_pair(T5)
     inputs = T5.make_inputs(3, 7, torch.Generator().manual_seed(0))
     common = {"max_new_tokens": 5, "do_sample": False, "return_dict_in_generate": True, "output_scores": True}
     expected = upstream.generate(**inputs, **common)
-    calls = {}
-    for int8_linears in ("inductor", "library"):
+    calls, fbgemm_calls = {}, {}
+    for int8_linears in ("inductor", "fbgemm", "library"):
         torch._dynamo.reset()
         compile_config = compile_config_for_cpu(int8_linears=int8_linears)
         for _ in range(2):  # the second call, compiled
@@ -409,6 +476,7 @@ def test_compiled_int8_dot_products_generate_the_eager_int8_dynamic_cache_tokens
         # step or in the encoder and cross-attention projections (more than 8 rows)
         library_ops = ("onednn::qlinear_pointwise", "aten::_int_mm")
         events = profile.key_averages(group_by_input_shape=True)
+        fbgemm_calls[int8_linears] = sum(event.count for event in events if event.key == FBGEMM_OP)
         for many_rows in (False, True):
             calls[int8_linears, many_rows] = sum(
                 event.count
@@ -417,7 +485,9 @@ def test_compiled_int8_dot_products_generate_the_eager_int8_dynamic_cache_tokens
             )
     # The tiny T5's 37 features of its second feed-forward linear are no multiple of 4: the dot products leave it.
     assert calls["inductor", False] < calls["library", False] and calls["inductor", True] == 0, calls
+    assert calls["fbgemm", False] < calls["library", False] and calls["fbgemm", True] == 0, calls
     assert calls["library", True] > 0, calls
+    assert fbgemm_calls["fbgemm"] > 0 and fbgemm_calls["inductor"] == fbgemm_calls["library"] == 0, fbgemm_calls
 
 
 @pytest.mark.slow

@@ -39,6 +39,7 @@ from .compiled_encoder import FlexCompileConfig, encoder_graph, encoder_warmup_c
 from .linear_kernels import (
     Int8DotExpansion,
     Int8DotProducts,
+    Int8FbgemmMatmuls,
     Int8FloatGemms,
     OneDNNLinears,
     OneRowLinears,
@@ -82,11 +83,13 @@ def compile_config_for_cpu(
             weight once: `OneRowLinears`), `"library"` (the `linear_kernels` above), or `"auto"`: inductor's where
             the CPU is not Intel's. On an AMD EPYC Zen 3 T5's step at batch 1 took 22 ms against oneDNN's 30.
         int8_linears (`str`, *optional*, defaults to `"auto"`): the int8 matrix multiplies of a model quantized with
-            `quantize(model, "int8")`: `"inductor"` (in graphs of at most 8 rows, decode steps, dot products that
-            inductor generates: `Int8DotProducts`; in graphs of dynamic rows, the compiled encoder and projections,
-            float32 GEMMs of the integers up to 128 positions a call: `Int8FloatGemms`; both exact), `"library"`
-            (oneDNN's int8 kernels), or `"auto"`: inductor's where the CPU has no VNNI, where oneDNN's int8 kernels
-            are slower than float32's.
+            `quantize(model, "int8")`: `"fbgemm"` (FBGEMM's int8 GEMMs, exact on 7-bit weights:
+            `Int8FbgemmMatmuls`; decode steps of 1-2 rows as inductor's dot products), `"inductor"` (in graphs of at
+            most 8 rows, decode steps, dot products that inductor generates: `Int8DotProducts`; in graphs of dynamic
+            rows, the compiled encoder and projections, float32 GEMMs of the integers up to 128 positions a call:
+            `Int8FloatGemms`; both exact), `"library"` (oneDNN's int8 kernels), or `"auto"`: where the CPU has no
+            VNNI, where oneDNN's int8 kernels are slower than float32's, FBGEMM's (inductor's where torch has no
+            FBGEMM); elsewhere the library's.
         encoder (`bool`, *optional*, defaults to `True`): under a padded or bucketed `flexible_static` policy (and in
             the serving engine), compile an encoder-decoder call's token encoder too, with dynamic shapes
             (`compiled_encoder.py`); upstream's generate runs it eagerly.
@@ -98,7 +101,7 @@ def compile_config_for_cpu(
 
     Raises:
         ValueError: `linear_kernels` is not one of `"auto"`, `"onednn"`, `"mkl"`, or `one_row_linears` or
-            `int8_linears` not one of `"auto"`, `"inductor"`, `"library"`.
+            `int8_linears` not one of `"auto"`, `"fbgemm"`, `"inductor"`, `"library"`.
 
     Example:
 
@@ -113,7 +116,11 @@ def compile_config_for_cpu(
     """
     passes = []  # one-row linears first: `OneDNNLinears` repacks whichever MKL linears are left
     kernel_options = {}
-    if resolve_int8_linears(int8_linears) == "inductor":  # marked before freezing, expanded after
+    int8_kernels = resolve_int8_linears(int8_linears)
+    if int8_kernels == "fbgemm":  # before freezing, which would make them oneDNN's; one row: dot products
+        kernel_options["joint_custom_post_pass"] = (Int8FbgemmMatmuls(), Int8DotProducts())
+        passes.append(Int8DotExpansion())
+    elif int8_kernels == "inductor":  # marked before freezing, expanded after
         kernel_options["joint_custom_post_pass"] = (Int8DotProducts(), Int8FloatGemms())
         passes.append(Int8DotExpansion())
     if resolve_one_row_linears(one_row_linears) == "inductor":

@@ -36,12 +36,13 @@ Design decisions:
   EPYC Zen 3), the 6 layers' projections took 8.3 ms compiled against 89.8 eager at 1 x 40 encoder positions, 10.9
   against 252 at 4 x 30, 18.3 against 666 at 8 x 40. In float32 compiling them gained nothing (4.2 against 3.9 ms at
   1 x 40, 24.8 against 22.8 at 8 x 40): they stay eager.
-- On a CPU without VNNI (`compile_config_for_cpu(int8_linears="auto")`) an int8 model's encoder side is compiled
-  twice: with its int8 matrix multiplies as exact float32 GEMMs (`linear_kernels.Int8FloatGemms`) and with oneDNN's
-  int8 linears; a call runs the first for a single row or up to `INT8_FLOAT_GEMM_MAX_ROWS` positions in all, the
-  second beyond (`encoder_graph`). Measured there (compiled T5 encoder, one thread): float GEMMs 27.1 / 45.6 / 84.1 /
-  166.0 ms at 1 / 2 / 4 / 8 rows of 40 tokens, oneDNN's int8 46.9 / 56.2 / 75.6 / 116.7. Warm-ups compile both
-  (`encoder_warmup_calls`).
+- On a CPU without VNNI an int8 model's encoder side runs FBGEMM's int8 GEMMs (`compile_config_for_cpu(int8_linears=
+  "auto")`, `linear_kernels.Int8FbgemmMatmuls`), one compile for every size. Under `int8_linears="inductor"` it is
+  compiled twice: with its int8 matrix multiplies as exact float32 GEMMs (`linear_kernels.Int8FloatGemms`) and with
+  oneDNN's int8 linears; a call runs the first for a single row or up to `INT8_FLOAT_GEMM_MAX_ROWS` positions in all,
+  the second beyond (`encoder_graph`). Measured there (compiled T5 encoder, one thread): float GEMMs 27.1 / 45.6 /
+  84.1 / 166.0 ms at 1 / 2 / 4 / 8 rows of 40 tokens, oneDNN's int8 46.9 / 56.2 / 75.6 / 116.7. Warm-ups compile
+  both (`encoder_warmup_calls`).
 - One compiled encoder (and projection module) per model and config, held beside the model (weakly keyed, as the
   cache pool is: not in the model's `__dict__`, so `copy.deepcopy`, pickling and `torch.save` of the model are
   unaffected).

@@ -28,14 +28,11 @@ Design decisions:
   the tiny T5's compiled int8 tokens 46% equal to eager int8's. At 7 bits the compiled linear equals the eager one
   (4.8e-7) and its error against fp32 doubles (0.53 against 0.23 at 8 bits, activations with outliers): reported by
   `int8_bits()` and the bench's header. CPUs with VNNI or AMX keep 8 bits. On such a CPU oneDNN's int8 linears are
-  also slow (5.35 ms where float32's took 1.07: two 512x2048 linears, one row, compiled, the same AMD EPYC), so the
-  compiled decode steps (up to 8 rows) run exact int8 dot products that inductor generates instead
-  (`compile_config_for_cpu(int8_linears="auto")`, `linear_kernels.Int8DotProducts`), faster than float32 there, and
-  the compiled encoder and cross-attention projections (dynamic rows) exact float32 GEMMs of the same integers
-  (`linear_kernels.Int8FloatGemms`: float copies of those weights, folded when the graph is frozen); larger decode
-  steps keep oneDNN's, and `quantize` logs a warning saying so. (FBGEMM's dynamic int8
-  linear is fast there, 0.31 ms, but it quantizes activations per tensor, which makes a row's outputs depend on the
-  other rows of its batch, and dynamo cannot trace its packed weights.)
+  also slow (5.35 ms where float32's took 1.07: two 512x2048 linears, one row, compiled, the same AMD EPYC), so
+  under `compile_config_for_cpu(int8_linears="auto")` the compiled graphs run FBGEMM's int8 GEMMs instead, exact on
+  7-bit weights (`linear_kernels.Int8FbgemmMatmuls`: the activations are handed over at scale 1, already quantized
+  per token as torchao quantizes them), and decode steps of 1-2 rows exact int8 dot products that inductor generates
+  (`linear_kernels.Int8DotProducts`); an eager prefill keeps oneDNN's, and `quantize` logs a warning saying so.
 - torchao's `set_inductor_config` is turned off: it would change inductor's global settings for the whole process.
 - Compiled graphs of the model from before are dropped (upstream's cached compiled call): frozen graphs hold the
   float weights as constants and would keep running them.
@@ -95,9 +92,8 @@ def quantize(model: nn.Module, mode: str = "int8") -> nn.Module:
         logger.warning(
             "this CPU has no VNNI: int8 is quantized to 7 bits (8 would saturate oneDNN's int8 kernels). oneDNN's "
             "int8 kernels are slower than float32's here: under compile_config_for_cpu() (int8_linears='auto') "
-            "decode steps of up to 8 rows and the compiled encoder run exact int8 arithmetic of their own instead "
-            "(the encoder's in float32 GEMMs, holding float copies of its weights); larger decode steps and an eager "
-            "prefill do not."
+            "compiled graphs run FBGEMM's int8 GEMMs (exact at 7 bits) and inductor's dot products instead; an "
+            "eager prefill does not."
         )
     _untie_output_layer(model)
     quantize_(

@@ -191,3 +191,56 @@ def test_first_decoder_step_of_a_compiled_fixed_shape_call_runs_in_the_decode_gr
         assert_same_padded_generation(upstream, flex, inputs, expected, actual, **kwargs)
         assert len(runs) == (new_tokens if prompt == 1 else new_tokens - 1), (batch_size, length, prompt)
     assert counter.frame_count == 1
+
+
+def test_step_guards_are_kept_out_of_torch_compiles_arguments_and_of_equality_and_checked():
+    config = FlexCompileConfig(fullgraph=True, step_guards="every")
+    assert "step_guards" not in config.to_dict() and config == FlexCompileConfig(fullgraph=True)
+    assert compile_config_for_cpu().step_guards == "first"
+    with pytest.raises(ValueError, match=r"step_guards='never' is not one of \('first', 'every'\)"):
+        compile_config_for_cpu(step_guards="never")
+
+
+def test_a_flexible_call_checks_every_guard_at_its_first_compiled_step_only(monkeypatch):
+    # Each compiled forward records whether dynamo skips the guards that do not tell graphs apart, then runs eagerly.
+    from transformers.modeling_utils import PreTrainedModel
+
+    skipped = []
+
+    def recording_compiled_call(model, compile_config):
+        def call(*args, **kwargs):
+            skipped.append(torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe)
+            return model.__call__(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(PreTrainedModel, "get_compiled_call", recording_compiled_call)
+    case = next(case for case in MODEL_CASES if case.name == "t5")
+    upstream, flex = case.build("sdpa")
+    inputs = case.make_inputs(2, 6, torch.Generator().manual_seed(0))
+    common = {"max_new_tokens": 5, "do_sample": False, "return_dict_in_generate": True, "output_scores": True}
+    cache_config = {"shape_policy": "padded", **COMPILE_CAPACITY}
+    expected = upstream.generate(**inputs, **common)
+    for step_guards, stance, want in [
+        # the first step (its own compiled call), the first decode step, then the others
+        ("first", None, [False, False, True, True, True]),
+        ("every", None, [False] * 5),
+        ("first", "eager_on_recompile", [False] * 5),  # a user's stance is left as it is
+    ]:
+        skipped.clear()
+        config = compile_config_for_cpu(step_guards=step_guards)
+        with torch.compiler.set_stance(stance) if stance else torch.compiler.set_stance("default"):
+            actual = flex.generate(
+                **inputs,
+                **common,
+                cache_implementation="flexible_static",
+                cache_config=cache_config,
+                compile_config=config,
+            )
+        assert skipped == want, (step_guards, stance)
+        assert torch.equal(actual.sequences, expected.sequences)
+        assert not torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe
+    # outside a flexible call (upstream's static cache) nothing is skipped
+    skipped.clear()
+    flex.generate(**inputs, **common, cache_implementation="static", compile_config=compile_config_for_cpu())
+    assert skipped and not any(skipped)

@@ -63,6 +63,7 @@ from .cache.placement import cross_attention_projections
 from .linear_kernels import without_int8_float_gemms
 from .quantization import first_linear_quantized
 
+STEP_GUARDS = ("first", "every")
 # An int8 model's compiled encoder side runs float32 GEMMs of its integers (`linear_kernels.Int8FloatGemms`) at up to
 # this many positions in all (rows x positions) or a single row, oneDNN's int8 linears beyond (see the docstring).
 INT8_FLOAT_GEMM_MAX_ROWS = 128
@@ -76,19 +77,28 @@ _NOT_FOR_THE_ENCODER = ("decoder_", "cross_attn", "use_cache", "cache")
 
 class FlexCompileConfig(CompileConfig):
     """Upstream's `CompileConfig`, whose `generate` compiles the decode step, plus `compile_encoder`: under a
-    fixed-shape policy, compile the token encoder of an encoder-decoder call too, with dynamic shapes.
+    fixed-shape policy, compile the token encoder of an encoder-decoder call too, with dynamic shapes; and
+    `step_guards`: `"first"` (a flexible call's compiled decode steps check dynamo's guards in full at the call's
+    first step only, `generation.GuardsOfFirstStep`) or `"every"` (at every step, as upstream's generate does).
 
-    `compile_encoder` is not one of `torch.compile`'s arguments: it is kept out of `to_dict()` (which upstream passes
-    to `torch.compile`) and out of equality (the decode graphs do not depend on it).
+    Neither is one of `torch.compile`'s arguments: they are kept out of `to_dict()` (which upstream passes to
+    `torch.compile`) and out of equality (the decode graphs do not depend on them).
+
+    Raises:
+        ValueError: `step_guards` is not `"first"` or `"every"`.
     """
 
-    def __init__(self, *args, compile_encoder: bool = True, **kwargs):
+    def __init__(self, *args, compile_encoder: bool = True, step_guards: str = "first", **kwargs):
+        if step_guards not in STEP_GUARDS:
+            raise ValueError(f"step_guards={step_guards!r} is not one of {STEP_GUARDS}")
         super().__init__(*args, **kwargs)
         self.compile_encoder = compile_encoder
+        self.step_guards = step_guards
 
     def to_dict(self) -> dict:
         arguments = super().to_dict()
         arguments.pop("compile_encoder", None)
+        arguments.pop("step_guards", None)
         return arguments
 
 

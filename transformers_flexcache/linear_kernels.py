@@ -404,8 +404,9 @@ class Int8FbgemmMatmuls(CustomGraphPass):
     torchao's int8 linears trace to) of dynamic rows or of at least `FBGEMM_MIN_ROWS` static rows becomes
     `transformers_flexcache::int8_fbgemm_mm(a, w)`, FBGEMM's int8 GEMM, which freezing leaves alone (else it would
     become oneDNN's int8 linear, slow on CPUs without VNNI: `Int8DotProducts`). Fewer rows (decode steps of one or
-    two sequences) are left to `Int8DotProducts`: there FBGEMM's fixed cost a call (about 35 us, with the op's
-    conversions 55) loses to the dot products that inductor fuses into the graph.
+    two sequences) are left to `Int8DotProducts` where it takes them: there FBGEMM's fixed cost a call (about 35 us,
+    with the op's conversions 55) loses to the dot products that inductor fuses into the graph. So no int8 product
+    is left to the library.
 
     Why it is exact: `a` is given to FBGEMM as floats quantized at scale 1 (zero point 128 for int8, 0 for uint8:
     the integers themselves, shifted to 0..255), `w` as a qint8 tensor of scale 1, so FBGEMM computes the integers'
@@ -427,9 +428,12 @@ class Int8FbgemmMatmuls(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         for node in list(graph.nodes):
             matched = _int_mm_pair(node)
-            rows = None if matched is None else matched[0].meta["val"].shape[0]
-            if matched is not None and not (isinstance(rows, int) and rows < FBGEMM_MIN_ROWS):
-                _replace(graph, node, graph.call_function, int8_fbgemm_mm, matched)
+            if matched is None:
+                continue
+            rows = matched[0].meta["val"].shape[0]
+            if isinstance(rows, int) and rows < FBGEMM_MIN_ROWS and _int_mm_operands(node) is not None:
+                continue  # the dot products take it
+            _replace(graph, node, graph.call_function, int8_fbgemm_mm, matched)
 
     uuid = _uuid
     __eq__ = _same_type

@@ -28,7 +28,7 @@ from transformers_flexcache.compiled_encoder import (
     cross_attention_projector,
     has_int8_variants,
 )
-from transformers_flexcache.linear_kernels import Int8FloatGemms, int8_fbgemm_mm
+from transformers_flexcache.linear_kernels import Int8FloatGemms, has_fbgemm, int8_fbgemm_mm
 from transformers_flexcache.quantization import int8_bits, quantization_of
 
 pytest.importorskip("torchao")
@@ -401,8 +401,11 @@ def seven_bit_operands(rows: int, features: int, dtype: torch.dtype) -> tuple[to
 
 
 FBGEMM_OP = "quantized::linear_with_input_q_dq_qweight_dq_output_fp32"
+# torch has FBGEMM on x86 only (where CI runs); elsewhere `int8_linears="auto"` never picks it.
+needs_fbgemm = pytest.mark.skipif(not has_fbgemm(), reason="this torch has no FBGEMM (not an x86 build)")
 
 
+@needs_fbgemm
 @pytest.mark.parametrize("rows", [2, 9])
 @pytest.mark.parametrize(
     ("features", "dtype"), [(512, torch.int8), (3072, torch.int8), (2048, torch.uint8), (37, torch.int8)]
@@ -430,6 +433,7 @@ def test_fbgemm_int8_products_of_8_bit_weights_run_in_float64_with_a_warning(cap
     assert "holds values beyond 7 bits (-128..-101)" in caplog.text
 
 
+@needs_fbgemm
 def test_a_weight_written_in_place_is_packed_for_fbgemm_again():
     inputs, weight = seven_bit_operands(4, 512, torch.int8)
     before = int8_fbgemm_mm(inputs, weight)
@@ -454,7 +458,10 @@ def seven_bits(monkeypatch):
 
 
 # "library" under -m slow: "inductor"'s own check already sees the one library linear the profile must find.
-@pytest.mark.parametrize("int8_linears", ["inductor", "fbgemm", pytest.param("library", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "int8_linears",
+    ["inductor", pytest.param("fbgemm", marks=needs_fbgemm), pytest.param("library", marks=pytest.mark.slow)],
+)
 def test_compiled_int8_dot_products_and_fbgemm_generate_the_eager_int8_dynamic_cache_tokens(seven_bits, int8_linears):
     # Forced on (the default where the CPU has no VNNI is FBGEMM's): "inductor" runs the decode steps as dot
     # products and the encoder and cross-attention projections as float GEMMs, no library int8 linear but the one

@@ -424,22 +424,33 @@ def test_fbgemm_int8_products_equal_int_mm_bit_for_bit_from_3_rows_and_at_dynami
         assert "aten::_int_mm" not in ops
 
 
-def test_fbgemm_int8_products_of_8_bit_weights_run_in_float64_with_a_warning(caplog):
-    # FBGEMM's int8 products saturate on such weights without VNNI; exact in float64 instead.
-    inputs, weight = int8_operands(3, 512, torch.int8)  # weights -128..-101
+def fbgemm_int_mm(inputs: torch.Tensor, weight: torch.Tensor, out_dtype=torch.int32) -> torch.Tensor:
+    """`int8_fbgemm_mm` as `Int8FbgemmMatmuls` calls it for `_int_mm(inputs, weight.T)`."""
+    return int8_fbgemm_mm(inputs.float(), weight, 128 if inputs.dtype == torch.int8 else 0, out_dtype)
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("features", [1024, 2048])
+def test_fbgemm_int8_products_of_8_bit_weights_run_in_float64_with_a_warning(caplog, features):
+    # FBGEMM's int8 products saturate on such weights without VNNI; exact in float64 instead, also where the graph
+    # takes the op's result as float32 (1024 features: the sums reach 2**24 at most) and where it cannot (2048).
+    inputs, weight = int8_operands(9, features, torch.int8)  # weights -128..-101
+    expected = torch._int_mm(inputs, weight.t())
     with caplog.at_level(logging.WARNING, logger="transformers_flexcache"):
-        out = int8_fbgemm_mm(inputs, weight)
-    assert torch.equal(out, torch._int_mm(inputs, weight.t()))
+        assert torch.equal(fbgemm_int_mm(inputs, weight), expected)
+        out, ops = compiled_int_mm(inputs, weight, "fbgemm")
+    assert torch.equal(out, expected)
+    assert "aten::_int_mm" not in ops
     assert "holds values beyond 7 bits (-128..-101)" in caplog.text
 
 
 @needs_fbgemm
 def test_a_weight_written_in_place_is_packed_for_fbgemm_again():
     inputs, weight = seven_bit_operands(4, 512, torch.int8)
-    before = int8_fbgemm_mm(inputs, weight)
+    before = fbgemm_int_mm(inputs, weight)
     weight[:, :64] = 63
-    after = int8_fbgemm_mm(inputs, weight)
-    assert torch.equal(after, torch._int_mm(inputs, weight.t())) and not torch.equal(after, before)
+    after = fbgemm_int_mm(inputs, weight, torch.float32)
+    assert torch.equal(after, torch._int_mm(inputs, weight.t()).float()) and not torch.equal(after.int(), before)
 
 
 def test_fbgemm_int8_encoders_compile_once_for_every_size():

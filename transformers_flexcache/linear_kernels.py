@@ -316,34 +316,39 @@ class Int8FloatGemms(CustomGraphPass):
     __hash__ = _type_hash
 
 
-def _int8_fbgemm_mm(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`transformers_flexcache::int8_fbgemm_mm`: `torch._int_mm(inputs, weight.t())` (int32 [M, N]; `inputs` int8 or uint8 [M, K], `weight` int8 [N, K]) on
-    FBGEMM's int8 GEMMs, bit for bit (see `Int8FbgemmMatmuls`). A weight beyond 7 bits, on which FBGEMM's products
-    could saturate, is multiplied in float64 instead (exact, slower), with a warning."""
-    parts = _fbgemm_parts(weight, inputs.dtype)
+def _int8_fbgemm_mm(
+    inputs: torch.Tensor, weight: torch.Tensor, zero_point: int, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """`transformers_flexcache::int8_fbgemm_mm`: `torch._int_mm(a, weight.t())` on FBGEMM's int8 GEMMs, where
+    `inputs` (float32 [M, K]) holds the integers of `a` (int8 [M, K] for `zero_point` 128, uint8 for 0) and `weight`
+    is int8 [N, K] (see `Int8FbgemmMatmuls`). In `out_dtype`: int32 bit for bit, or float32, which holds the sums
+    exactly where they lie within 2**24 in magnitude (the pass asks for it only where they must). A weight beyond 7
+    bits, on which FBGEMM's products could saturate, is multiplied in float64 instead (exact, slower), with a
+    warning."""
+    parts = _fbgemm_parts(weight, torch.int8 if zero_point == 128 else torch.uint8)
     if parts is None or inputs.shape[0] == 0:
-        return (inputs.double() @ weight.double().t()).to(torch.int32)
-    zero_point = 128 if inputs.dtype == torch.int8 else 0  # int8 -128..127 -> FBGEMM's uint8 0..255
-    floats = inputs.to(torch.float32)
+        return (inputs.double() @ weight.double().t()).to(out_dtype)
     total = None
     for start, stop, packed in parts:
-        part_inputs = floats if stop - start == floats.shape[1] else floats[:, start:stop].contiguous()
+        part_inputs = inputs if stop - start == inputs.shape[1] else inputs[:, start:stop].contiguous()
         part = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(part_inputs, 1.0, zero_point, packed)
+        if len(parts) == 1:
+            return part if out_dtype == torch.float32 else part.to(out_dtype)
         part = part.to(torch.int32)
         total = part if total is None else total.add_(part)
-    return total
+    return total.to(out_dtype)
 
 
 # Registered as a plain library op (a CPU kernel and a fake): a `torch.library.custom_op` took 40 us more a call
 # (98 against 58 us for one row of 512 x 512, FBGEMM's own 34), 2 ms of a decode step's 49 int8 linears.
 _LIBRARY = torch.library.Library("transformers_flexcache", "FRAGMENT")
-_LIBRARY.define("int8_fbgemm_mm(Tensor inputs, Tensor weight) -> Tensor")
+_LIBRARY.define("int8_fbgemm_mm(Tensor inputs, Tensor weight, int zero_point, ScalarType out_dtype) -> Tensor")
 _LIBRARY.impl("int8_fbgemm_mm", _int8_fbgemm_mm, "CPU")
 
 
 @torch.library.register_fake("transformers_flexcache::int8_fbgemm_mm")
-def _(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return inputs.new_empty((inputs.shape[0], weight.shape[0]), dtype=torch.int32)
+def _(inputs: torch.Tensor, weight: torch.Tensor, zero_point: int, out_dtype: torch.dtype) -> torch.Tensor:
+    return inputs.new_empty((inputs.shape[0], weight.shape[0]), dtype=out_dtype)
 
 
 int8_fbgemm_mm = torch.ops.transformers_flexcache.int8_fbgemm_mm.default
@@ -433,11 +438,26 @@ class Int8FbgemmMatmuls(CustomGraphPass):
             rows = matched[0].meta["val"].shape[0]
             if isinstance(rows, int) and rows < FBGEMM_MIN_ROWS and _int_mm_operands(node) is not None:
                 continue  # the dot products take it
-            _replace(graph, node, graph.call_function, int8_fbgemm_mm, matched)
+            fake_mode = torch._guards.detect_fake_mode([matched[0].meta["val"]])
+            _replace(graph, node, _int8_fbgemm_nodes, graph, fake_mode, *matched)
 
     uuid = _uuid
     __eq__ = _same_type
     __hash__ = _type_hash
+
+
+def _int8_fbgemm_nodes(graph, fake_mode, inputs, weight) -> torch.fx.Node:
+    """Nodes computing `_int_mm(inputs [M, K], weight.T)` as int32 [M, N] with `int8_fbgemm_mm`, its conversions in
+    the graph, where inductor fuses them into the kernels around it: the activations given as float32, and the result
+    taken as float32 where no sum can pass 2**24 in magnitude (even with weights beyond 7 bits, which the op
+    multiplies in float64), converted to int32 in the kernel that reads it."""
+    convert = torch.ops.prims.convert_element_type.default
+    dtype, features = inputs.meta["val"].dtype, inputs.meta["val"].shape[1]
+    zero_point, largest = (128, 128 * 128) if dtype == torch.int8 else (0, 255 * 128)
+    out_dtype = torch.float32 if features * largest <= 2**24 else torch.int32
+    floats = _call(graph, fake_mode, convert, inputs, torch.float32)
+    out = _call(graph, fake_mode, int8_fbgemm_mm, floats, weight, zero_point, out_dtype)
+    return out if out_dtype == torch.int32 else _call(graph, fake_mode, convert, out, torch.int32)
 
 
 def _replace(graph: torch.fx.Graph, node: torch.fx.Node, build, *args) -> None:

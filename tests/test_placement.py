@@ -168,3 +168,41 @@ def test_storage_has_the_dtype_of_the_model_and_follows_it_when_the_model_change
     assert actual.cache.dtype == torch.float32
     assert transformers_flexcache.held_nbytes(flex) == {"cpu": 2 * bf16_bytes}
     assert "is rebuilt for a call of another kind" in caplog.text
+
+
+def test_placement_held_between_calls_follows_hooks_modules_projections_and_config_values():
+    # The specs are held per model between calls (they are read at every generate call) and read anew when what
+    # they come from changes.
+    _, flex = T5.build()
+    first, first_cross = layer_specs_for_model(flex)
+    assert layer_specs_for_model(flex) == (first, first_cross)
+    _hook(flex.decoder.block[1], torch.device("cuda", 1))
+    self_specs, cross_specs = layer_specs_for_model(flex)
+    assert [spec.device for spec in self_specs] == [CPU, torch.device("cuda", 1)] == [s.device for s in cross_specs]
+    del flex.decoder.block[1]._hf_hook
+    assert layer_specs_for_model(flex) == (first, first_cross)
+
+    cross = flex.decoder.block[0].layer[1].EncDecAttention
+    replaced = type(cross)(flex.config, has_relative_attention_bias=False, layer_idx=0)
+    replaced.k = nn.Linear(cross.k.in_features, 8, bias=False)  # one head of 8
+    flex.decoder.block[0].layer[1].EncDecAttention = replaced
+    assert attention_modules(flex)[1][0] is replaced
+    assert [spec.num_heads for spec in layer_specs_for_model(flex)[1]] == [1, first_cross[1].num_heads]
+
+    flex.decoder.block[0].layer[0].SelfAttention.k.to(torch.bfloat16)
+    assert layer_specs_for_model(flex)[0][0].dtype == torch.bfloat16
+
+    flex.config.d_kv = 4  # the head dim the config gives
+    assert {spec.k_head_dim for spec in layer_specs_for_model(flex)[0]} == {4}
+
+
+def test_the_placement_held_for_a_model_does_not_keep_it_alive():
+    import gc
+    import weakref
+
+    _, flex = T5.build()
+    layer_specs_for_model(flex)
+    model = weakref.ref(flex)
+    del flex
+    gc.collect()
+    assert model() is None

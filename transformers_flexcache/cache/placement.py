@@ -18,9 +18,11 @@ encoder/cross attention being its cross-attention.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import re
+import weakref
 
 import torch
 from torch import nn
@@ -42,16 +44,68 @@ def _decoder(model: nn.Module) -> nn.Module:
 
 def attention_modules(model: nn.Module) -> tuple[dict[int, nn.Module], dict[int, nn.Module]]:
     """`({layer_idx: self-attention or mixer module}, {layer_idx: cross-attention module})` of the model's decoder."""
-    own, cross = {}, {}
-    for path, module in _decoder(model).named_modules():
-        layer_idx = getattr(module, "layer_idx", None)
-        if not isinstance(layer_idx, int) or isinstance(layer_idx, bool):
-            continue
-        if CROSS_ATTENTION_PATH.search(path) or layer_idx in own:
-            cross.setdefault(layer_idx, module)
-        else:
-            own[layer_idx] = module
-    return own, cross
+    return _walk(model).modules()
+
+
+class _Walk:
+    """One walk of a model's module tree (`attention_modules`), held per model (`_WALKS`) while it stays true: its
+    decoder is the same module, and each module found still hangs where it was found, under the same ancestors
+    (`intact`). Modules are held weakly: the model is the key of a weak table, which a strong reference from its value
+    would keep alive."""
+
+    def __init__(self, model: nn.Module):
+        decoder = _decoder(model)
+        self.decoder = weakref.ref(decoder)
+        own, cross = {}, {}
+        for path, module in decoder.named_modules():
+            layer_idx = getattr(module, "layer_idx", None)
+            if not isinstance(layer_idx, int) or isinstance(layer_idx, bool):
+                continue
+            if CROSS_ATTENTION_PATH.search(path) or layer_idx in own:
+                cross.setdefault(layer_idx, module)
+            else:
+                own[layer_idx] = module
+        self.own = {i: weakref.ref(module) for i, module in own.items()}
+        self.cross = {i: weakref.ref(module) for i, module in cross.items()}
+        # (parent, name, child) from the model down to each module found: what `intact` checks, and the ancestors
+        # that `execution_device` reads hooks from.
+        above = {child: (parent, name) for parent in model.modules() for name, child in parent._modules.items()}
+        links = set()
+        for module in {*own.values(), *cross.values()}:
+            while module in above:
+                parent, name = above[module]
+                links.add((parent, name, module))
+                module = parent
+        self.links = [(weakref.ref(parent), name, weakref.ref(child)) for parent, name, child in links]
+
+    def intact(self, model: nn.Module) -> bool:
+        if _decoder(model) is not self.decoder():
+            return False
+        for parent, name, child in self.links:
+            parent, child = parent(), child()
+            if parent is None or child is None or parent._modules.get(name) is not child:
+                return False
+        return True
+
+    def modules(self) -> tuple[dict[int, nn.Module], dict[int, nn.Module]]:
+        """`attention_modules`'s answer."""
+        return {i: ref() for i, ref in self.own.items()}, {i: ref() for i, ref in self.cross.items()}
+
+    def parents(self) -> dict[nn.Module, nn.Module]:
+        """`{module: parent}` along the links: every ancestor of the modules found."""
+        return {child(): parent() for parent, _, child in self.links}
+
+
+# model -> its `_Walk`; model -> (what its layer specs were read from, the specs) (`layer_specs_for_model`)
+_WALKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_PLACED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _walk(model: nn.Module) -> _Walk:
+    walk = _WALKS.get(model)
+    if walk is None or not walk.intact(model):
+        walk = _WALKS[model] = _Walk(model)
+    return walk
 
 
 def cross_attention_projections(model: nn.Module, num_layers: int) -> list | None:
@@ -71,7 +125,7 @@ def execution_device(module: nn.Module, parents: dict[nn.Module, nn.Module]) -> 
     neither says."""
     node = module
     while node is not None:
-        device = _hook_device(getattr(node, "_hf_hook", None))
+        device = _hook_device(vars(node).get("_hf_hook"))  # where accelerate sets it (a miss through getattr is slow)
         if device is not None:
             return device
         node = parents.get(node)
@@ -101,14 +155,24 @@ def _key_projection(module: nn.Module) -> torch.Tensor | None:
 
 
 class _Placer:
-    """Refines config specs for one model: its module tree is walked once."""
+    """Refines config specs for one model, from the modules of its `_Walk`."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, walk: _Walk):
         self.model = model
-        self.parents = {child: parent for parent in model.modules() for child in parent.children()}
+        self.parents = walk.parents()
         self.default_device = execution_device(model, self.parents) or torch.device("cpu")
         self.default_dtype = getattr(model, "dtype", torch.float32)
         self.tp_heads = _tp_heads(model)
+
+    def read(self, module: nn.Module | None) -> tuple:
+        """What `refined` reads of `module`: where it runs, and its key projection's dtype and shape."""
+        if module is None:
+            return ()
+        weight = _key_projection(module)
+        return (
+            execution_device(module, self.parents),
+            None if weight is None else (weight.dtype, tuple(weight.shape)),
+        )
 
     def refined(self, spec: LayerSpec, module: nn.Module | None) -> LayerSpec:
         if module is None:
@@ -143,17 +207,40 @@ def _tp_heads(model: nn.Module):
 
 def layer_specs_for_model(model: nn.Module) -> tuple[list[LayerSpec], list[LayerSpec] | None]:
     """`(self-attention specs, cross-attention specs or None)` for `model`'s decoder, each layer placed where the
-    model runs it, with the heads its projections produce and in their dtype (see the module docstring)."""
+    model runs it, with the heads its projections produce and in their dtype (see the module docstring).
+
+    It runs at every generate call: the specs are held per model with what they were read from (the config's values,
+    and per layer where its modules run and their key projections' dtype and shape), and made anew when any of it
+    changed (`model.to`, a hook that accelerate adds, a module replaced, a config value)."""
+    walk = _walk(model)
+    own, cross = walk.modules()
+    placer = _Placer(model, walk)
+    read = (
+        placer.default_device,
+        placer.default_dtype,
+        getattr(model, "_tp_size", None),
+        tuple(placer.read(own.get(i)) for i in sorted(own)),
+        tuple(placer.read(cross.get(i)) for i in sorted(cross)),
+    )
+    held = _PLACED.get(model)
+    if held is not None and held[1] == read and vars(model.config) == held[0]:
+        return _copies(held[2])
     config_specs = layer_specs_from_config(model.config)
-    own, cross = attention_modules(model)
-    placer = _Placer(model)
     self_specs = [placer.refined(spec, own.get(i)) for i, spec in enumerate(config_specs)]
-    if not model.config.is_encoder_decoder:
-        return self_specs, None
-    # Cross-attention layers run beside their decoder layer; their own projections give their heads.
-    cross_specs = [
-        placer.refined(spec, cross.get(i, own.get(i)))
-        for i, spec in enumerate(config_specs)
-        if spec.layer_type != "linear_attention"
-    ]
-    return self_specs, cross_specs
+    placed = self_specs, None
+    if model.config.is_encoder_decoder:
+        # Cross-attention layers run beside their decoder layer; their own projections give their heads.
+        cross_specs = [
+            placer.refined(spec, cross.get(i, own.get(i)))
+            for i, spec in enumerate(config_specs)
+            if spec.layer_type != "linear_attention"
+        ]
+        placed = self_specs, cross_specs
+    _PLACED[model] = (copy.deepcopy(vars(model.config)), read, _copies(placed))
+    return placed
+
+
+def _copies(placed: tuple) -> tuple:
+    """New lists of the same (frozen) specs: a caller may change its lists."""
+    self_specs, cross_specs = placed
+    return list(self_specs), None if cross_specs is None else list(cross_specs)

@@ -407,15 +407,17 @@ def _fbgemm_engine():
 class Int8FbgemmMatmuls(CustomGraphPass):
     """Inductor joint-graph pass (before freezing): an int8 matrix multiply (`aten._int_mm(a [M, K], w.T)`, what
     torchao's int8 linears trace to) of dynamic rows or of at least `FBGEMM_MIN_ROWS` static rows becomes
-    `transformers_flexcache::int8_fbgemm_mm(a, w)`, FBGEMM's int8 GEMM, which freezing leaves alone (else it would
-    become oneDNN's int8 linear, slow on CPUs without VNNI: `Int8DotProducts`). Fewer rows (decode steps of one or
-    two sequences) are left to `Int8DotProducts` where it takes them: there FBGEMM's fixed cost a call (about 35 us,
-    with the op's conversions 55) loses to the dot products that inductor fuses into the graph. So no int8 product
-    is left to the library.
+    `transformers_flexcache::int8_fbgemm_mm` (`_int8_fbgemm_nodes`), FBGEMM's int8 GEMM, which freezing leaves
+    alone (else it would become oneDNN's int8 linear, slow on CPUs without VNNI: `Int8DotProducts`). Fewer rows
+    (decode steps of one or two sequences) are left to `Int8DotProducts` where it takes them: there FBGEMM's fixed
+    cost a call (about 35 us, 55 when the op also made its conversions) loses to the dot products that inductor
+    fuses into the graph. So no int8 product is left to the library.
 
     Why it is exact: `a` is given to FBGEMM as floats quantized at scale 1 (zero point 128 for int8, 0 for uint8:
     the integers themselves, shifted to 0..255), `w` as a qint8 tensor of scale 1, so FBGEMM computes the integers'
-    products, takes the zero point's share out in int32, and writes the result times 1.0 as float32. Without VNNI
+    products, takes the zero point's share out in int32, and writes the result times 1.0 as float32. Both
+    conversions are graph nodes that inductor fuses into the kernels beside the op (float32 activations in; the
+    float32 result read as it is where no sum can pass 2**24). Without VNNI
     its kernels add pairs of uint8 x int8 products in saturating int16 (`vpmaddubsw`): exact where each weight lies
     in [-64, 63] (255 x 64 x 2 < 2**15), as `quantize`'s 7-bit weights do on such a CPU; a weight beyond that is
     multiplied in float64 instead, with a warning. `K` is cut into chunks whose sums stay within 2**24 (exact as

@@ -37,9 +37,9 @@ class NoEndOfSequence(LogitsProcessor):
     """EOS suppressed at every step, so that no row finishes before `max_new_tokens`: the scores and tokens of
     `min_new_tokens = max_new_tokens`, without a vocabulary-sized `torch.isin` per step.
 
-    It runs after upstream's processors (generate appends custom ones): a row where an earlier processor left every other
-    score at -inf (BART's forced EOS at the last position, which under `min_new_tokens` overrides the suppression too)
-    keeps it.
+    It runs after upstream's processors (generate appends custom ones): a row where an earlier processor left every
+    other score at -inf (BART's forced EOS at the last position, which under `min_new_tokens` overrides the
+    suppression too) keeps it.
 
     Args:
         eos_token_id (`int | list[int] | None`): the model's EOS id(s); None suppresses nothing.

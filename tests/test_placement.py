@@ -206,3 +206,12 @@ def test_the_placement_held_for_a_model_does_not_keep_it_alive():
     del flex
     gc.collect()
     assert model() is None
+
+
+def test_a_config_value_that_cannot_be_compared_reads_the_placement_at_every_call():
+    _, flex = T5.build()
+    flex.config.some_tensor = torch.ones(3)  # `==` of dicts holding it raises
+    first = layer_specs_for_model(flex)
+    assert layer_specs_for_model(flex) == first
+    flex.config.d_kv = 4
+    assert {spec.k_head_dim for spec in layer_specs_for_model(flex)[0]} == {4}

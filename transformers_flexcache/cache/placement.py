@@ -223,7 +223,7 @@ def layer_specs_for_model(model: nn.Module) -> tuple[list[LayerSpec], list[Layer
         tuple(placer.read(cross.get(i)) for i in sorted(cross)),
     )
     held = _PLACED.get(model)
-    if held is not None and held[1] == read and vars(model.config) == held[0]:
+    if held is not None and held[1] == read and _equal(vars(model.config), held[0]):
         return _copies(held[2])
     config_specs = layer_specs_from_config(model.config)
     self_specs = [placer.refined(spec, own.get(i)) for i, spec in enumerate(config_specs)]
@@ -236,8 +236,19 @@ def layer_specs_for_model(model: nn.Module) -> tuple[list[LayerSpec], list[Layer
             if spec.layer_type != "linear_attention"
         ]
         placed = self_specs, cross_specs
-    _PLACED[model] = (copy.deepcopy(vars(model.config)), read, _copies(placed))
+    try:
+        _PLACED[model] = (copy.deepcopy(vars(model.config)), read, _copies(placed))
+    except (TypeError, RuntimeError, copy.Error):  # a config value that cannot be copied: read at every call
+        _PLACED.pop(model, None)
     return placed
+
+
+def _equal(values: dict, held: dict) -> bool:
+    """Whether a config's values equal those held; False where they cannot be compared (a tensor among them)."""
+    try:
+        return bool(values == held)
+    except (TypeError, RuntimeError, ValueError):
+        return False
 
 
 def _copies(placed: tuple) -> tuple:

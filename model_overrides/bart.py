@@ -36,6 +36,7 @@ from transformers.models.bart.modeling_bart import (
 
 from transformers_flexcache.cache import has_cross_attention_kv
 from transformers_flexcache.modeling import FlexModelMixin
+from transformers_flexcache.packing import PackedRows
 
 
 class FlexBartAttentionMixin:
@@ -61,6 +62,9 @@ class FlexBartAttentionMixin:
         afterwards. Self-attention, encoder attention and any other cache go to upstream's forward unchanged.
         """
         # hidden_states: [B, S, d_model], key_value_states: [B, L_enc, d_model] -> [B, S, d_model], weights
+        packed_rows = kwargs.pop("packed_rows", None)
+        if packed_rows is not None:
+            return self._flex_packed_self_attention(hidden_states, attention_mask, packed_rows, **kwargs)
         if key_value_states is None or not has_cross_attention_kv(cache):
             return super().forward(hidden_states, key_value_states, cache, attention_mask, **kwargs)
 
@@ -85,6 +89,36 @@ class FlexBartAttentionMixin:
         )
         attn_output = self.out_proj(attn_output.reshape(*input_shape, -1).contiguous())
         return attn_output, attn_weights
+
+    def _flex_packed_self_attention(self, hidden_states, attention_mask, rows: PackedRows, **kwargs):
+        """Derived from `BartAttention.forward` (transformers==5.24.0) for an encoder's self-attention on packed
+        tokens (`transformers_flexcache.packing`, `FlexMarianMTModel._flex_encode_packed`).
+
+        Differences: the projections run on the call's real tokens `[1, N, d]`; queries, keys and values are
+        scattered into their rows (`rows.unpack`, zeros at the padding, which `attention_mask` masks) for upstream's
+        attention, whose output is gathered back before the output projection. No cache: an encoder has none.
+        """
+        # hidden_states: [1, N, d_model] -> [1, N, d_model]; queries, keys, values [B, H, L, D]
+        row_shape = (rows.batch, rows.length, -1, self.head_dim)
+        query_states, key_states, value_states = (
+            rows.unpack(projection(hidden_states)).view(row_shape).transpose(1, 2)
+            for projection in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, self._flex_eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            dropout=0.0 if not self.training else self.dropout,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        attn_output = rows.pack(attn_output.reshape(rows.batch, rows.length, -1))
+        return self.out_proj(attn_output), attn_weights
 
 
 class FlexBartAttention(FlexBartAttentionMixin, BartAttention):

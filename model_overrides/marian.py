@@ -13,12 +13,16 @@ added after the decoder and does not touch the cache.
 
 from __future__ import annotations
 
+import torch
 from transformers import GenerationMixin
+from transformers.masking_utils import create_bidirectional_mask
+from transformers.modeling_outputs import BaseModelOutput
 from transformers.models.marian import modeling_marian
 from transformers.models.marian.modeling_marian import MarianAttention, MarianMTModel
 
 from model_overrides.bart import FlexBartAttentionMixin
 from transformers_flexcache.modeling import FlexModelMixin
+from transformers_flexcache.packing import PackedRows
 
 
 class FlexMarianAttention(FlexBartAttentionMixin, MarianAttention):
@@ -36,6 +40,26 @@ class FlexMarianMTModel(FlexModelMixin, MarianMTModel, GenerationMixin):
     """`MarianMTModel` with cross-attention through `get_kv`, and `flexible_static` in generate."""
 
     _flex_module_classes = {MarianAttention: FlexMarianAttention}
+
+    @staticmethod
+    def _flex_encode_packed(encoder, input_ids: torch.Tensor, attention_mask: torch.Tensor, index: torch.Tensor):
+        """Derived from `MarianEncoder.forward` (transformers==5.24.0) for an inference call: its output, whose last
+        hidden state `[B, L, d]` is computed on the real tokens only (`transformers_flexcache.packing`; zeros at the padding
+        positions). Differences: the layers run on the packed tokens `[1, N, d]` after the embeddings and positions,
+        their self-attention on the rows (`FlexBartAttentionMixin._flex_packed_self_attention`); dropout, layer drop
+        and recorded outputs, which an inference call of the encoder has none of, are left out
+        (`compiled_encoder.py` packs only such calls)."""
+        # input_ids, attention_mask: [B, L]; index: [N] -> [B, L, d_model]
+        inputs_embeds = encoder.embed_tokens(input_ids) * encoder.embed_scale
+        hidden_states = inputs_embeds + encoder.embed_positions(inputs_embeds.shape[:-1])
+        mask = create_bidirectional_mask(
+            config=encoder.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask
+        )
+        rows = PackedRows.of(attention_mask, index)
+        hidden_states = rows.pack(hidden_states)
+        for layer in encoder.layers:
+            hidden_states = layer(hidden_states, mask, packed_rows=rows)
+        return BaseModelOutput(last_hidden_state=rows.unpack(hidden_states))
 
 
 FLEX_MODEL_CLASSES = [FlexMarianMTModel]

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 from transformers import GenerationMixin
+from transformers.masking_utils import create_bidirectional_mask
+from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
 from transformers.models.t5.modeling_t5 import (
     ALL_ATTENTION_FUNCTIONS,
     T5Attention,
@@ -23,6 +25,7 @@ from transformers.models.t5.modeling_t5 import (
 
 from transformers_flexcache.cache import has_cross_attention_kv
 from transformers_flexcache.modeling import FlexModelMixin
+from transformers_flexcache.packing import PackedRows
 
 
 def per_row_relative_bias(attention, query_length: int, key_length: int, device, past_seen_tokens: torch.Tensor):
@@ -74,6 +77,9 @@ class FlexT5Attention(T5Attention):
         relative attention bias in T5, so the upstream lines for it are left out.
         """
         # hidden_states: [B, S, d_model], key_value_states: [B, L_enc, d_model] -> [B, S, d_model]
+        packed_rows = kwargs.pop("packed_rows", None)
+        if packed_rows is not None:
+            return self._flex_packed_self_attention(hidden_states, mask, position_bias, packed_rows, **kwargs)
         if key_value_states is None or not has_cross_attention_kv(cache):
             return super().forward(hidden_states, mask, key_value_states, position_bias, cache, **kwargs)
 
@@ -104,11 +110,68 @@ class FlexT5Attention(T5Attention):
         attn_output = self.o(attn_output.reshape(*input_shape, -1).contiguous())
         return attn_output, position_bias, attn_weights
 
+    def _flex_packed_self_attention(self, hidden_states, mask, position_bias, rows: PackedRows, **kwargs):
+        """Derived from `T5Attention.forward` (transformers==5.24.0) for the encoder's self-attention on packed
+        tokens (`transformers_flexcache.packing`, `FlexT5ForConditionalGeneration._flex_encode_packed`).
+
+        Differences: the projections run on the call's real tokens `[1, N, d]`; queries, keys and values are
+        scattered into their rows (`rows.unpack`, zeros at the padding, which `mask` masks) for upstream's attention,
+        whose output is gathered back before the output projection. The relative position bias is that of the rows'
+        length (upstream takes the length from the states, here `N`). No cache: an encoder has none.
+        """
+        # hidden_states: [1, N, d_model] -> [1, N, d_model]; queries, keys, values [B, H, L, D]
+        row_shape = (rows.batch, rows.length, -1, self.key_value_proj_dim)
+        query_states, key_states, value_states = (
+            rows.unpack(projection(hidden_states)).view(row_shape).transpose(1, 2)
+            for projection in (self.q, self.k, self.v)
+        )
+        if position_bias is None:  # the first layer's, shared by the others
+            if self.has_relative_attention_bias:
+                position_bias = self.compute_bias(rows.length, rows.length, device=query_states.device)
+            else:
+                position_bias = query_states.new_zeros((1, self.n_heads, rows.length, rows.length))
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            mask,
+            dropout=0.0 if not self.training else self.dropout,
+            scaling=self.scaling,
+            position_bias=position_bias,
+            **kwargs,
+        )
+        attn_output = rows.pack(attn_output.reshape(rows.batch, rows.length, -1))
+        return self.o(attn_output), position_bias, attn_weights
+
 
 class FlexT5ForConditionalGeneration(FlexModelMixin, T5ForConditionalGeneration, GenerationMixin):
     """`T5ForConditionalGeneration` with cross-attention through `get_kv`, and `flexible_static` in generate."""
 
     _flex_module_classes = {T5Attention: FlexT5Attention}
+
+    @staticmethod
+    def _flex_encode_packed(encoder, input_ids: torch.Tensor, attention_mask: torch.Tensor, index: torch.Tensor):
+        """Derived from `T5Stack.forward` (transformers==5.24.0) for the encoder of an inference call: its output,
+        whose last hidden state `[B, L, d]` is computed on the real tokens only (`transformers_flexcache.packing`; zeros at the
+        padding positions). Differences: the blocks run on the packed tokens `[1, N, d]`, their self-attention on the
+        rows (`FlexT5Attention._flex_packed_self_attention`); dropout, a cache and recorded outputs, which an
+        inference call of the encoder has none of, are left out (`compiled_encoder.py` packs only such calls)."""
+        # input_ids, attention_mask: [B, L]; index: [N] -> [B, L, d_model]
+        inputs_embeds = encoder.embed_tokens(input_ids)
+        mask = create_bidirectional_mask(
+            config=encoder.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask
+        )
+        rows = PackedRows.of(attention_mask, index)
+        hidden_states, position_bias = rows.pack(inputs_embeds), None
+        for block in encoder.block:
+            hidden_states, position_bias, _ = block(hidden_states, mask, position_bias, packed_rows=rows)
+        return BaseModelOutputWithPastAndCrossAttentions(
+            last_hidden_state=rows.unpack(encoder.final_layer_norm(hidden_states))
+        )
 
 
 FLEX_MODEL_CLASSES = [FlexT5ForConditionalGeneration]

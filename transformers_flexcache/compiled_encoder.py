@@ -55,12 +55,14 @@ import weakref
 
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental import _config as fx_config
 from transformers import CompileConfig
 from transformers.generation.configuration_utils import GenerationMode
 
 from .cache import is_flexible_cache
 from .cache.placement import cross_attention_projections
 from .linear_kernels import without_int8_float_gemms
+from .packing import real_positions
 from .quantization import first_linear_quantized
 
 STEP_GUARDS = ("first", "every")
@@ -69,6 +71,10 @@ STEP_GUARDS = ("first", "every")
 INT8_FLOAT_GEMM_MAX_ROWS = 128
 # model -> (compile config, whether quantized, its compiled encoder)
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# model -> (compile config, whether quantized, its packed encoder, `_PackedEncoder`, compiled)
+_COMPILED_PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# model -> the `_PackedOrPlain` of its compiled encoders
+_ROUTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # model -> (compile config, whether quantized, its decoder's cross-attention projections, compiled)
 _COMPILED_PROJECTIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # Encoder arguments that upstream's `_prepare_text_encoder_decoder_kwargs_for_generation` leaves out.
@@ -151,10 +157,78 @@ def encode_compiled(model, generation_config, input_ids: torch.Tensor, model_kwa
 
 def compiled_encoder(model, compile_config: CompileConfig):
     """`torch.compile(model.get_encoder(), **compile_config.to_dict(), dynamic=True)`, once per model and config (two
-    compiles for an int8 model, chosen by a call's rows: `encoder_graph`)."""
-    return _compiled_once(
+    compiles for an int8 model, chosen by a call's rows: `encoder_graph`). For a model whose override packs its
+    encoder (`packs_encoder`), a call of several rows with an attention mask runs the packed encoder instead
+    (`_PackedOrPlain`)."""
+    plain = _compiled_once(
         _COMPILED, model, compile_config, model.get_encoder, lambda **kwargs: kwargs["input_ids"].shape
     )
+    if not packs_encoder(model):
+        return plain
+    encoder, encode = model.get_encoder(), type(model)._flex_encode_packed
+    packed = _compiled_once(
+        _COMPILED_PACKED,
+        model,
+        compile_config,
+        lambda: _PackedEncoder(encoder, encode),
+        lambda input_ids, attention_mask, index: input_ids.shape,
+    )
+    held = _ROUTED.get(model)
+    if held is None or (held.encoder, held.plain, held.packed) != (encoder, plain, packed):
+        held = _ROUTED[model] = _PackedOrPlain(encoder, plain, packed)
+    return held
+
+
+def packs_encoder(model) -> bool:
+    """Whether `model`'s compiled encoder runs a padded call on its real tokens only (`packing.py`): its override
+    has `_flex_encode_packed` (T5, Marian), and it runs inference in a type other than float16 (whose layers clamp
+    on a check over every position, padding included)."""
+    return hasattr(type(model), "_flex_encode_packed") and model.dtype != torch.float16
+
+
+class _PackedEncoder(torch.nn.Module):
+    """`encode(encoder, input_ids, attention_mask, index)` (an override's `_flex_encode_packed`) as a module, so
+    that one graph runs it with the encoder's weights frozen in it."""
+
+    def __init__(self, encoder: torch.nn.Module, encode):
+        super().__init__()
+        self.encoder, self.encode = encoder, encode
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, index: torch.Tensor):
+        return self.encode(self.encoder, input_ids, attention_mask, index)
+
+
+class _PackedOrPlain:
+    """The compiled encoder of a model that `packs_encoder`: a call of two rows or more whose only arguments are
+    its tokens and their attention mask (as generate's and the serving engine's) runs `packed` on its real tokens
+    (their positions found eagerly, `packing.real_positions`); any other runs `plain`, the encoder as it is.
+
+    Dynamo's duck sizing is off for the packed graph's compile: with it, a first call whose rows, length or number
+    of real tokens are equal (a warm-up's 2 rows of 2 tokens) would compile a graph for such calls only."""
+
+    _PACKED_ARGUMENTS = frozenset(("input_ids", "attention_mask", "output_attentions", "output_hidden_states"))
+
+    def __init__(self, encoder, plain, packed):
+        self.encoder, self.plain, self.packed = encoder, plain, packed
+
+    def __call__(self, **kwargs):
+        input_ids, attention_mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
+        if not (
+            set(kwargs) - {"return_dict"} <= self._PACKED_ARGUMENTS
+            and kwargs.get("return_dict", True)
+            and not kwargs.get("output_attentions")
+            and not kwargs.get("output_hidden_states")
+            and isinstance(input_ids, torch.Tensor)
+            and isinstance(attention_mask, torch.Tensor)
+            and input_ids.dim() == 2
+            and attention_mask.shape == input_ids.shape
+            and input_ids.shape[0] > 1
+            and not self.encoder.training
+        ):
+            return self.plain(**kwargs)
+        index = real_positions(attention_mask)
+        with fx_config.patch(use_duck_shape=False):
+            return self.packed(input_ids, attention_mask, index)
 
 
 def cross_attention_projector(model, compile_config: CompileConfig | None, projections: list):

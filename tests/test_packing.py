@@ -1,0 +1,113 @@
+"""A padded encoder call run on its real tokens only (`transformers_flexcache/packing.py`): the overrides' packed
+encoders (T5, Marian) against upstream's encoder on the same inputs, and the compiled encoder's choice of it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter
+
+from tests.model_cases import MARIAN, T5
+from transformers_flexcache.compiled_encoder import FlexCompileConfig, compiled_encoder, packs_encoder
+from transformers_flexcache.packing import PackedRows, real_positions
+
+# The packed encoder runs its linears on other rows than upstream's (a GEMM of N tokens, not B x L): float rounding.
+ATOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def padded_call(batch: int, length: int, pads: list[int], side: str = "right", seed: int = 0):
+    """Random tokens, row `r` padded by `pads[r]` positions on `side` (pad id 0)."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, 90, (batch, length), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    for row, num_pad in enumerate(pads):
+        if num_pad:
+            attention_mask[row, :num_pad] = 0 if side == "left" else 1
+            attention_mask[row, length - num_pad :] = 1 if side == "left" else 0
+    input_ids[attention_mask == 0] = 0
+    return input_ids, attention_mask
+
+
+def upstream_encoding(upstream, input_ids, attention_mask) -> torch.Tensor:
+    with torch.no_grad():
+        return upstream.get_encoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+
+def assert_packed_encoding(expected: torch.Tensor, actual: torch.Tensor, attention_mask: torch.Tensor) -> None:
+    """Upstream's states at the real positions, zeros at the padding (where upstream computes states that every
+    consumer masks)."""
+    real = attention_mask.bool()
+    torch.testing.assert_close(actual[real], expected[real], atol=ATOL, rtol=0)
+    assert torch.equal(actual[~real], torch.zeros_like(actual[~real]))
+    assert expected[~real].abs().max() > 0.1  # upstream's padding states are not zeros: the test can tell them apart
+
+
+def test_packed_rows_gather_the_real_tokens_and_put_them_back():
+    attention_mask = torch.tensor([[1, 1, 0], [0, 1, 1]])
+    states = torch.arange(6.0).view(2, 3, 1) + 1
+    rows = PackedRows.of(attention_mask, real_positions(attention_mask))
+    assert rows.index.tolist() == [0, 1, 4, 5]
+    packed = rows.pack(states)
+    assert packed.flatten().tolist() == [1.0, 2.0, 5.0, 6.0]
+    assert rows.unpack(packed).flatten().tolist() == [1.0, 2.0, 0.0, 0.0, 5.0, 6.0]
+
+
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("case", [T5, MARIAN], ids=["t5", "marian"])
+def test_the_packed_encoder_gives_upstream_s_states_at_the_real_positions(case, side, attn_implementation):
+    upstream, flex = case.build(attn_implementation)
+    input_ids, attention_mask = padded_call(4, 9, [0, 3, 5, 8], side)
+    with torch.no_grad():
+        encoding = flex._flex_encode_packed(
+            flex.get_encoder(), input_ids, attention_mask, real_positions(attention_mask)
+        )
+    assert type(encoding) is type(upstream.get_encoder()(input_ids=input_ids, attention_mask=attention_mask))
+    expected = upstream_encoding(upstream, input_ids, attention_mask)
+    assert_packed_encoding(expected, encoding.last_hidden_state, attention_mask)
+
+
+@pytest.mark.parametrize("case", [T5, MARIAN], ids=["t5", "marian"])
+def test_the_compiled_encoder_packs_calls_of_several_rows_in_one_graph_for_every_shape(case):
+    # The first call has 2 rows of 2 tokens, all real (as a warm-up's): with dynamo's duck sizing its graph would
+    # hold for rows == length only, and the next calls would compile again.
+    upstream, flex = case.build("sdpa")
+    counter = CompileCounter()
+    config = FlexCompileConfig(backend=lambda graph, inputs, **kwargs: counter(graph, inputs), fullgraph=True)
+    encoder = compiled_encoder(flex, config)
+    assert packs_encoder(flex)
+    calls = [(2, 2, [0, 0]), (4, 7, [0, 2, 6, 3]), (3, 5, [1, 0, 0]), (2, 9, [0, 0]), (5, 5, [4, 0, 0, 0, 0])]
+    with torch.no_grad():
+        for batch, length, pads in calls:
+            input_ids, attention_mask = padded_call(batch, length, pads, seed=batch)
+            encoding = encoder(input_ids=input_ids, attention_mask=attention_mask)
+            expected = upstream_encoding(upstream, input_ids, attention_mask)
+            if any(pads):
+                assert_packed_encoding(expected, encoding.last_hidden_state, attention_mask)
+            else:
+                torch.testing.assert_close(encoding.last_hidden_state, expected, atol=ATOL, rtol=0)
+    assert counter.frame_count == 1
+
+
+def test_calls_the_packed_encoder_does_not_take_run_the_encoder_as_it_is():
+    upstream, flex = T5.build("sdpa")
+    counter = CompileCounter()
+    config = FlexCompileConfig(backend=lambda graph, inputs, **kwargs: counter(graph, inputs), fullgraph=True)
+    encoder = compiled_encoder(flex, config)
+    input_ids, attention_mask = padded_call(3, 6, [2, 0, 0])
+    expected = upstream_encoding(upstream, input_ids, attention_mask)
+    with torch.no_grad():
+        # a single row, or no mask: the encoder as it is, whose padding states are upstream's
+        one_row = encoder(input_ids=input_ids[:1], attention_mask=attention_mask[:1])
+        torch.testing.assert_close(one_row.last_hidden_state, expected[:1], atol=ATOL, rtol=0)
+        unmasked = encoder(input_ids=input_ids)
+        torch.testing.assert_close(unmasked.last_hidden_state, upstream_encoding(upstream, input_ids, None))
+    assert counter.frame_count == 2  # the plain graphs of one row and of several
+    assert not packs_encoder(flex.to(torch.float16))  # its layers clamp on a check over every position

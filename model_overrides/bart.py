@@ -24,8 +24,11 @@ Shapes: `B` live batch, `S` new decoder tokens, `L_enc` live encoder length, `H`
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from transformers import GenerationMixin
+from transformers.masking_utils import create_bidirectional_mask
+from transformers.modeling_outputs import BaseModelOutput
 from transformers.models.bart.modeling_bart import (
     ALL_ATTENTION_FUNCTIONS,
     BartAttention,
@@ -151,6 +154,27 @@ class FlexBartForConditionalGeneration(FlexModelMixin, BartForConditionalGenerat
         BartAttention: FlexBartAttention,
         BartLearnedPositionalEmbedding: FlexBartLearnedPositionalEmbedding,
     }
+
+    @staticmethod
+    def _flex_encode_packed(encoder, input_ids: torch.Tensor, attention_mask: torch.Tensor, index: torch.Tensor):
+        """Derived from `BartEncoder.forward` (transformers==5.24.0) for an inference call: its output, whose last
+        hidden state `[B, L, d]` is computed on the real tokens only (`transformers_flexcache.packing`; zeros at the
+        padding positions). Differences: the layers run on the packed tokens `[1, N, d]` after the embeddings,
+        positions and embedding norm, their self-attention on the rows (`FlexBartAttentionMixin.
+        _flex_packed_self_attention`); dropout, layer drop and recorded outputs, which an inference call of the
+        encoder has none of, are left out (`compiled_encoder.py` packs only such calls)."""
+        # input_ids, attention_mask: [B, L]; index: [N] -> [B, L, d_model]
+        inputs_embeds = encoder.embed_tokens(input_ids)
+        hidden_states = inputs_embeds + encoder.embed_positions(inputs_embeds[:, :, -1]).to(inputs_embeds.device)
+        hidden_states = encoder.layernorm_embedding(hidden_states)
+        mask = create_bidirectional_mask(
+            config=encoder.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask
+        )
+        rows = PackedRows.of(attention_mask, index)
+        hidden_states = rows.pack(hidden_states)
+        for layer in encoder.layers:
+            hidden_states = layer(hidden_states, mask, packed_rows=rows)
+        return BaseModelOutput(last_hidden_state=rows.unpack(hidden_states))
 
 
 FLEX_MODEL_CLASSES = [FlexBartForConditionalGeneration]

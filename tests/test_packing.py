@@ -1,5 +1,5 @@
 """A padded encoder call run on its real tokens only (`transformers_flexcache/packing.py`): the overrides' packed
-encoders (T5, Marian) against upstream's encoder on the same inputs, and the compiled encoder's choice of it."""
+encoders (T5, Marian, BART) against upstream's encoder on the same inputs, and the compiled encoder's choice of it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
 
-from tests.model_cases import MARIAN, T5
+from tests.model_cases import BART, MARIAN, T5
 from transformers_flexcache.compiled_encoder import FlexCompileConfig, compiled_encoder, packs_encoder
 from transformers_flexcache.packing import PackedRows, real_positions
 
@@ -61,7 +61,7 @@ def test_packed_rows_gather_the_real_tokens_and_put_them_back():
 
 @pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
 @pytest.mark.parametrize("side", ["right", "left"])
-@pytest.mark.parametrize("case", [T5, MARIAN], ids=["t5", "marian"])
+@pytest.mark.parametrize("case", [T5, MARIAN, BART], ids=["t5", "marian", "bart"])
 def test_the_packed_encoder_gives_upstream_s_states_at_the_real_positions(case, side, attn_implementation):
     upstream, flex = case.build(attn_implementation)
     input_ids, attention_mask = padded_call(4, 9, [0, 3, 5, 8], side)
@@ -74,7 +74,7 @@ def test_the_packed_encoder_gives_upstream_s_states_at_the_real_positions(case, 
     assert_packed_encoding(expected, encoding.last_hidden_state, attention_mask)
 
 
-@pytest.mark.parametrize("case", [T5, MARIAN], ids=["t5", "marian"])
+@pytest.mark.parametrize("case", [T5, MARIAN, BART], ids=["t5", "marian", "bart"])
 def test_the_compiled_encoder_packs_calls_of_several_rows_in_one_graph_for_every_shape(case):
     # The first call has 2 rows of 2 tokens, all real (as a warm-up's): with dynamo's duck sizing its graph would
     # hold for rows == length only, and the next calls would compile again.

@@ -280,6 +280,34 @@ UPSTREAM: dict[str, Upstream] = {
             ("pegasus.modeling_pegasus", "PegasusAttention"),
         )
     },
+    # The packed encoders (`transformers_flexcache/packing.py`): copies of the encoders' forward on packed tokens.
+    f"{_BART}.BartEncoder.forward": Upstream(
+        "af7e8ef423479a4e",
+        "FlexBartForConditionalGeneration._flex_encode_packed repeats its embeddings, positions, embedding norm, mask "
+        "and layer loop on packed tokens: carry changes over",
+    ),
+    "transformers.models.marian.modeling_marian.MarianEncoder.forward": Upstream(
+        "56b4ea6ff0f2fbd9",
+        "FlexMarianMTModel._flex_encode_packed repeats its embeddings, positions, mask and layer loop on packed "
+        "tokens: carry changes over",
+    ),
+    # The layers a packed encoder runs as they are, on packed tokens: every module but self-attention must work token
+    # by token, and `**kwargs` (our `packed_rows`) must reach the self-attention.
+    **{
+        f"transformers.models.{module}.{name}.forward": Upstream(
+            fingerprint_at_pin,
+            "a packed encoder runs it on packed tokens `[1, N, d]`: anything it adds that mixes positions (other than "
+            "the self-attention call) or that stops passing `**kwargs` to the self-attention breaks packing",
+            users=(user,),
+        )
+        for module, name, fingerprint_at_pin, user in (
+            ("bart.modeling_bart", "BartEncoderLayer", "a594983eea1cd6f4", "FlexBartForConditionalGeneration"),
+            ("marian.modeling_marian", "MarianEncoderLayer", "a594983eea1cd6f4", "FlexMarianMTModel"),
+            ("t5.modeling_t5", "T5Block", "7bf918ef7eb55298", "FlexT5ForConditionalGeneration"),
+            ("t5.modeling_t5", "T5LayerSelfAttention", "5cd4c44ee7804689", "FlexT5ForConditionalGeneration"),
+            ("t5.modeling_t5", "T5LayerFF", "4df8c688cb75876f", "FlexT5ForConditionalGeneration"),
+        )
+    },
     # Per-row positions of the serving engine's decode step (`[B, 1]` lengths from its seat cache).
     f"{_T5}.T5Attention.compute_bias": Upstream(
         "5695d9f791671aa8",

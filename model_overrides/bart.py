@@ -95,10 +95,10 @@ class FlexBartAttentionMixin:
 
     def _flex_packed_self_attention(self, hidden_states, attention_mask, rows: PackedRows, **kwargs):
         """Derived from `BartAttention.forward` (transformers==5.24.0) for an encoder's self-attention on packed
-        tokens (`transformers_flexcache.packing`, `FlexMarianMTModel._flex_encode_packed`).
+        tokens (`transformers_flexcache.packing`; the packed encoders of BART and Marian, `_flex_encode_packed`).
 
         Differences: the projections run on the call's real tokens `[1, N, d]`; queries, keys and values are
-        scattered into their rows (`rows.unpack`, zeros at the padding, which `attention_mask` masks) for upstream's
+        put back into their rows (`rows.unpack`, zeros at the padding, which `attention_mask` masks) for upstream's
         attention, whose output is gathered back before the output projection. No cache: an encoder has none.
         """
         # hidden_states: [1, N, d_model] -> [1, N, d_model]; queries, keys, values [B, H, L, D]

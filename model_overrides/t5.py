@@ -115,7 +115,7 @@ class FlexT5Attention(T5Attention):
         tokens (`transformers_flexcache.packing`, `FlexT5ForConditionalGeneration._flex_encode_packed`).
 
         Differences: the projections run on the call's real tokens `[1, N, d]`; queries, keys and values are
-        scattered into their rows (`rows.unpack`, zeros at the padding, which `mask` masks) for upstream's attention,
+        put back into their rows (`rows.unpack`, zeros at the padding, which `mask` masks) for upstream's attention,
         whose output is gathered back before the output projection. The relative position bias is that of the rows'
         length (upstream takes the length from the states, here `N`). No cache: an encoder has none.
         """
@@ -156,10 +156,11 @@ class FlexT5ForConditionalGeneration(FlexModelMixin, T5ForConditionalGeneration,
     @staticmethod
     def _flex_encode_packed(encoder, input_ids: torch.Tensor, attention_mask: torch.Tensor, index: torch.Tensor):
         """Derived from `T5Stack.forward` (transformers==5.24.0) for the encoder of an inference call: its output,
-        whose last hidden state `[B, L, d]` is computed on the real tokens only (`transformers_flexcache.packing`; zeros at the
-        padding positions). Differences: the blocks run on the packed tokens `[1, N, d]`, their self-attention on the
-        rows (`FlexT5Attention._flex_packed_self_attention`); dropout, a cache and recorded outputs, which an
-        inference call of the encoder has none of, are left out (`compiled_encoder.py` packs only such calls)."""
+        whose last hidden state `[B, L, d]` is computed on the real tokens only (`transformers_flexcache.packing`;
+        zeros at the padding positions). Differences: the blocks run on the packed tokens `[1, N, d]`, their
+        self-attention on the rows (`FlexT5Attention._flex_packed_self_attention`); dropout, a cache and recorded
+        outputs, which an inference call of the encoder has none of, are left out (`compiled_encoder.py` packs only
+        such calls)."""
         # input_ids, attention_mask: [B, L]; index: [N] -> [B, L, d_model]
         inputs_embeds = encoder.embed_tokens(input_ids)
         mask = create_bidirectional_mask(

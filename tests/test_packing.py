@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
 
-from tests.model_cases import BART, MARIAN, T5
+from tests.model_cases import BART, MARIAN, MBART, T5
 from transformers_flexcache.compiled_encoder import FlexCompileConfig, compiled_encoder, packs_encoder
 from transformers_flexcache.packing import PackedRows, real_positions
 
@@ -74,7 +74,14 @@ def test_the_packed_encoder_gives_upstream_s_states_at_the_real_positions(case, 
     assert_packed_encoding(expected, encoding.last_hidden_state, attention_mask)
 
 
-@pytest.mark.parametrize("case", [T5, MARIAN, BART], ids=["t5", "marian", "bart"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(T5, id="t5"),
+        pytest.param(MARIAN, id="marian", marks=pytest.mark.slow),  # compiles: 8-10 s each on 2 cores
+        pytest.param(BART, id="bart", marks=pytest.mark.slow),
+    ],
+)
 def test_the_compiled_encoder_packs_calls_of_several_rows_in_one_graph_for_every_shape(case):
     # The first call has 2 rows of 2 tokens, all real (as a warm-up's): with dynamo's duck sizing its graph would
     # hold for rows == length only, and the next calls would compile again.
@@ -111,3 +118,21 @@ def test_calls_the_packed_encoder_does_not_take_run_the_encoder_as_it_is():
         torch.testing.assert_close(unmasked.last_hidden_state, upstream_encoding(upstream, input_ids, None))
     assert counter.frame_count == 2  # the plain graphs of one row and of several
     assert not packs_encoder(flex.to(torch.float16))  # its layers clamp on a check over every position
+
+
+def test_an_encoder_that_does_not_pack_compiles_one_graph_for_every_shape_too():
+    # mBART has no packed encoder: its calls run the encoder as it is, also without duck sizing, so that a first call
+    # of 2 rows of 2 tokens (the serving engine's warm-up) does not give a graph for rows == length only.
+    upstream, flex = MBART.build("sdpa")
+    counter = CompileCounter()
+    config = FlexCompileConfig(backend=lambda graph, inputs, **kwargs: counter(graph, inputs), fullgraph=True)
+    encoder = compiled_encoder(flex, config)
+    assert not packs_encoder(flex)
+    with torch.no_grad():
+        for batch, length, pads in [(2, 2, [0, 0]), (3, 7, [0, 2, 4]), (4, 4, [1, 0, 0, 0])]:
+            input_ids, attention_mask = padded_call(batch, length, pads, seed=batch)
+            encoding = encoder(input_ids=input_ids, attention_mask=attention_mask)
+            torch.testing.assert_close(
+                encoding.last_hidden_state, upstream_encoding(upstream, input_ids, attention_mask), atol=ATOL, rtol=0
+            )
+    assert counter.frame_count == 1

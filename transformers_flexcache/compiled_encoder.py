@@ -44,8 +44,8 @@ Design decisions:
   84.1 / 166.0 ms at 1 / 2 / 4 / 8 rows of 40 tokens, oneDNN's int8 46.9 / 56.2 / 75.6 / 116.7. Warm-ups compile
   both (`encoder_warmup_calls`).
 - A padded call of several rows runs on its real tokens only where the model's override has a packed encoder
-  (`_flex_encode_packed`: T5, Marian; `packing.py`): its linears, norms and activations skip the padding positions,
-  as CTranslate2's encoder does (`_PackedOrPlain`, `packs_encoder`). Measured (T5, one thread, AMD EPYC Zen 3): 8 rows
+  (`_flex_encode_packed`: T5, Marian, BART; `packing.py`): its linears, norms and activations skip the padding
+  positions, as CTranslate2's encoder does (`_PackedOrPlain`, `packs_encoder`). Measured (T5, one thread, AMD EPYC Zen 3): 8 rows
   of 24-48 tokens 195 against 248 ms in float32, 124 against 167 in int8; level with no padding (see docs/compile.md).
 - One compiled encoder (and projection module) per model and config, held beside the model (weakly keyed, as the
   cache pool is: not in the model's `__dict__`, so `copy.deepcopy`, pickling and `torch.save` of the model are
@@ -167,25 +167,25 @@ def compiled_encoder(model, compile_config: CompileConfig):
     plain = _compiled_once(
         _COMPILED, model, compile_config, model.get_encoder, lambda **kwargs: kwargs["input_ids"].shape
     )
-    if not packs_encoder(model):
-        return plain
-    encoder, encode = model.get_encoder(), type(model)._flex_encode_packed
-    packed = _compiled_once(
-        _COMPILED_PACKED,
-        model,
-        compile_config,
-        lambda: _PackedEncoder(encoder, encode),
-        lambda input_ids, attention_mask, index: input_ids.shape,
-    )
+    encoder, packed = model.get_encoder(), None
+    if packs_encoder(model):
+        encode = type(model)._flex_encode_packed
+        packed = _compiled_once(
+            _COMPILED_PACKED,
+            model,
+            compile_config,
+            lambda: _PackedEncoder(encoder, encode),
+            lambda input_ids, attention_mask, index: input_ids.shape,
+        )
     held = _ROUTED.get(model)
-    if held is None or (held.encoder, held.plain, held.packed) != (encoder, plain, packed):
+    if held is None or held.encoder is not encoder or held.plain is not plain or held.packed is not packed:
         held = _ROUTED[model] = _PackedOrPlain(encoder, plain, packed)
     return held
 
 
 def packs_encoder(model) -> bool:
     """Whether `model`'s compiled encoder runs a padded call on its real tokens only (`packing.py`): its override
-    has `_flex_encode_packed` (T5, Marian), and it runs inference in a type other than float16 (whose layers clamp
+    has `_flex_encode_packed` (T5, Marian, BART), and it runs inference in a type other than float16 (whose layers clamp
     on a check over every position, padding included)."""
     return hasattr(type(model), "_flex_encode_packed") and model.dtype != torch.float16
 
@@ -203,12 +203,14 @@ class _PackedEncoder(torch.nn.Module):
 
 
 class _PackedOrPlain:
-    """The compiled encoder of a model that `packs_encoder`: a call of two rows or more whose only arguments are
-    its tokens and their attention mask (as generate's and the serving engine's) runs `packed` on its real tokens
-    (their positions found eagerly, `packing.real_positions`); any other runs `plain`, the encoder as it is.
+    """A model's compiled encoder. Where the model `packs_encoder` (`packed` is not None), a call of two rows or more
+    whose only arguments are its tokens and their attention mask (as generate's and the serving engine's) runs
+    `packed` on its real tokens (their positions found eagerly, `packing.real_positions`); any other call runs
+    `plain`, the encoder as it is.
 
-    Dynamo's duck sizing is off for the packed graph's compile: with it, a first call whose rows, length or number
-    of real tokens are equal (a warm-up's 2 rows of 2 tokens) would compile a graph for such calls only."""
+    Dynamo's duck sizing is off for both: with it, a first call whose rows, length or number of real tokens are
+    equal (the serving engine's warm-up of 2 rows of 2 tokens) compiles a graph for such calls only, and the next
+    call another."""
 
     _PACKED_ARGUMENTS = frozenset(("input_ids", "attention_mask", "output_attentions", "output_hidden_states"))
 
@@ -216,9 +218,14 @@ class _PackedOrPlain:
         self.encoder, self.plain, self.packed = encoder, plain, packed
 
     def __call__(self, **kwargs):
+        with fx_config.patch(use_duck_shape=False):
+            return self._call(**kwargs)
+
+    def _call(self, **kwargs):
         input_ids, attention_mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
         if not (
-            set(kwargs) - {"return_dict"} <= self._PACKED_ARGUMENTS
+            self.packed is not None
+            and set(kwargs) - {"return_dict"} <= self._PACKED_ARGUMENTS
             and kwargs.get("return_dict", True)
             and not kwargs.get("output_attentions")
             and not kwargs.get("output_hidden_states")
@@ -230,9 +237,7 @@ class _PackedOrPlain:
             and not self.encoder.training
         ):
             return self.plain(**kwargs)
-        index = real_positions(attention_mask)
-        with fx_config.patch(use_duck_shape=False):
-            return self.packed(input_ids, attention_mask, index)
+        return self.packed(input_ids, attention_mask, real_positions(attention_mask))
 
 
 def cross_attention_projector(model, compile_config: CompileConfig | None, projections: list):
@@ -253,7 +258,9 @@ def cross_attention_projector(model, compile_config: CompileConfig | None, proje
     def project(states: torch.Tensor) -> list:
         if compiled is not None and states.shape[1] > 1:
             # Fresh and dense: dynamo guards a view's base and strides, and the states may be a cut of padded ones.
-            return compiled(states.clone(memory_format=torch.contiguous_format))
+            # No duck sizing, as for the encoder (`_PackedOrPlain`): 2 rows of 2 positions would compile for those.
+            with fx_config.patch(use_duck_shape=False):
+                return compiled(states.clone(memory_format=torch.contiguous_format))
         return [project_kv(states) for project_kv in projections]
 
     return project

@@ -111,12 +111,18 @@ def test_calls_the_packed_encoder_does_not_take_run_the_encoder_as_it_is():
     input_ids, attention_mask = padded_call(3, 6, [2, 0, 0])
     expected = upstream_encoding(upstream, input_ids, attention_mask)
     with torch.no_grad():
-        # a single row, or no mask: the encoder as it is, whose padding states are upstream's
+        # a single row, one real token in all, or no mask: the encoder as it is, its padding states upstream's
         one_row = encoder(input_ids=input_ids[:1], attention_mask=attention_mask[:1])
         torch.testing.assert_close(one_row.last_hidden_state, expected[:1], atol=ATOL, rtol=0)
+        one_token = attention_mask.clone()
+        one_token[:, 1:], one_token[1:] = 0, 0
+        lone = encoder(input_ids=input_ids, attention_mask=one_token)  # one real token in all
+        torch.testing.assert_close(
+            lone.last_hidden_state, upstream_encoding(upstream, input_ids, one_token), atol=ATOL, rtol=0
+        )
         unmasked = encoder(input_ids=input_ids)
         torch.testing.assert_close(unmasked.last_hidden_state, upstream_encoding(upstream, input_ids, None))
-    assert counter.frame_count == 2  # the plain graphs of one row and of several
+    assert counter.frame_count == 3  # the plain graphs: one row, several with a mask, several without
     assert not packs_encoder(flex.to(torch.float16))  # its layers clamp on a check over every position
 
 

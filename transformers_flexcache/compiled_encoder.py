@@ -45,8 +45,9 @@ Design decisions:
   both (`encoder_warmup_calls`).
 - A padded call of several rows runs on its real tokens only where the model's override has a packed encoder
   (`_flex_encode_packed`: T5, Marian, BART; `packing.py`): its linears, norms and activations skip the padding
-  positions, as CTranslate2's encoder does (`_PackedOrPlain`, `packs_encoder`). Measured (T5, one thread, AMD EPYC Zen 3): 8 rows
-  of 24-48 tokens 195 against 248 ms in float32, 124 against 167 in int8; level with no padding (see docs/compile.md).
+  positions, as CTranslate2's encoder does (`_PackedOrPlain`, `packs_encoder`). Measured (T5, one thread, AMD EPYC
+  Zen 3): 8 rows of 24-48 tokens 195 against 248 ms in float32, 124 against 167 in int8; level with no padding (see
+  docs/compile.md).
 - One compiled encoder (and projection module) per model and config, held beside the model (weakly keyed, as the
   cache pool is: not in the model's `__dict__`, so `copy.deepcopy`, pickling and `torch.save` of the model are
   unaffected).
@@ -185,8 +186,8 @@ def compiled_encoder(model, compile_config: CompileConfig):
 
 def packs_encoder(model) -> bool:
     """Whether `model`'s compiled encoder runs a padded call on its real tokens only (`packing.py`): its override
-    has `_flex_encode_packed` (T5, Marian, BART), and it runs inference in a type other than float16 (whose layers clamp
-    on a check over every position, padding included)."""
+    has `_flex_encode_packed` (T5, Marian, BART), and it runs inference in a type other than float16 (whose layers
+    clamp on a check over every position, padding included)."""
     return hasattr(type(model), "_flex_encode_packed") and model.dtype != torch.float16
 
 
@@ -237,7 +238,10 @@ class _PackedOrPlain:
             and not self.encoder.training
         ):
             return self.plain(**kwargs)
-        return self.packed(input_ids, attention_mask, real_positions(attention_mask))
+        index = real_positions(attention_mask)
+        if index.numel() < 2:  # dynamo would give 0 or 1 real tokens a graph of their own
+            return self.plain(**kwargs)
+        return self.packed(input_ids, attention_mask, index)
 
 
 def cross_attention_projector(model, compile_config: CompileConfig | None, projections: list):

@@ -39,7 +39,7 @@ from transformers.models.bart.modeling_bart import (
 
 from transformers_flexcache.cache import has_cross_attention_kv
 from transformers_flexcache.modeling import FlexModelMixin
-from transformers_flexcache.packing import PackedRows
+from transformers_flexcache.packing import PackedRows, run_packed
 
 
 class FlexBartAttentionMixin:
@@ -77,10 +77,17 @@ class FlexBartAttentionMixin:
         # flexcache: projected once per call through the cache's accessors, instead of the `is_updated` flag and layer attributes
         key_states, value_states = cache.cross_attention_kv(self.layer_idx, key_value_states, self._flex_project_kv)
 
+        attn_output, attn_weights = self._flex_attend(query_states, key_states, value_states, attention_mask, **kwargs)
+        attn_output = self.out_proj(attn_output.reshape(*input_shape, -1).contiguous())
+        return attn_output, attn_weights
+
+    def _flex_attend(self, query_states, key_states, value_states, attention_mask, **kwargs):
+        """Upstream's attention call of `BartAttention.forward` (transformers==5.24.0): the configured attention
+        interface (its file's `eager_attention_forward` by default) on `[B, H, S, D]` queries, keys and values."""
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, self._flex_eager_attention_forward
         )
-        attn_output, attn_weights = attention_interface(
+        return attention_interface(
             self,
             query_states,
             key_states,
@@ -90,8 +97,6 @@ class FlexBartAttentionMixin:
             scaling=self.scaling,
             **kwargs,
         )
-        attn_output = self.out_proj(attn_output.reshape(*input_shape, -1).contiguous())
-        return attn_output, attn_weights
 
     def _flex_packed_self_attention(self, hidden_states, attention_mask, rows: PackedRows, **kwargs):
         """Derived from `BartAttention.forward` (transformers==5.24.0) for an encoder's self-attention on packed
@@ -107,19 +112,7 @@ class FlexBartAttentionMixin:
             rows.unpack(projection(hidden_states)).view(row_shape).transpose(1, 2)
             for projection in (self.q_proj, self.k_proj, self.v_proj)
         )
-        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, self._flex_eager_attention_forward
-        )
-        attn_output, attn_weights = attention_interface(
-            self,
-            query_states,
-            key_states,
-            value_states,
-            attention_mask,
-            dropout=0.0 if not self.training else self.dropout,
-            scaling=self.scaling,
-            **kwargs,
-        )
+        attn_output, attn_weights = self._flex_attend(query_states, key_states, value_states, attention_mask, **kwargs)
         attn_output = rows.pack(attn_output.reshape(rows.batch, rows.length, -1))
         return self.out_proj(attn_output), attn_weights
 
@@ -170,11 +163,9 @@ class FlexBartForConditionalGeneration(FlexModelMixin, BartForConditionalGenerat
         mask = create_bidirectional_mask(
             config=encoder.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask
         )
-        rows = PackedRows.of(attention_mask, index)
-        hidden_states = rows.pack(hidden_states)
-        for layer in encoder.layers:
-            hidden_states = layer(hidden_states, mask, packed_rows=rows)
-        return BaseModelOutput(last_hidden_state=rows.unpack(hidden_states))
+        return BaseModelOutput(
+            last_hidden_state=run_packed(encoder.layers, hidden_states, mask, attention_mask, index)
+        )
 
 
 FLEX_MODEL_CLASSES = [FlexBartForConditionalGeneration]

@@ -22,7 +22,7 @@ from transformers.models.marian.modeling_marian import MarianAttention, MarianMT
 
 from model_overrides.bart import FlexBartAttentionMixin
 from transformers_flexcache.modeling import FlexModelMixin
-from transformers_flexcache.packing import PackedRows
+from transformers_flexcache.packing import run_packed
 
 
 class FlexMarianAttention(FlexBartAttentionMixin, MarianAttention):
@@ -55,11 +55,9 @@ class FlexMarianMTModel(FlexModelMixin, MarianMTModel, GenerationMixin):
         mask = create_bidirectional_mask(
             config=encoder.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask
         )
-        rows = PackedRows.of(attention_mask, index)
-        hidden_states = rows.pack(hidden_states)
-        for layer in encoder.layers:
-            hidden_states = layer(hidden_states, mask, packed_rows=rows)
-        return BaseModelOutput(last_hidden_state=rows.unpack(hidden_states))
+        return BaseModelOutput(
+            last_hidden_state=run_packed(encoder.layers, hidden_states, mask, attention_mask, index)
+        )
 
 
 FLEX_MODEL_CLASSES = [FlexMarianMTModel]

@@ -93,10 +93,19 @@ class FlexT5Attention(T5Attention):
             # Cross-attention layers have no relative attention bias: upstream adds zeros of this shape.
             position_bias = query_states.new_zeros((1, self.n_heads, input_shape[1], key_states.shape[-2]))
 
+        attn_output, attn_weights = self._flex_attend(
+            query_states, key_states, value_states, mask, position_bias, **kwargs
+        )
+        attn_output = self.o(attn_output.reshape(*input_shape, -1).contiguous())
+        return attn_output, position_bias, attn_weights
+
+    def _flex_attend(self, query_states, key_states, value_states, mask, position_bias, **kwargs):
+        """Upstream's attention call of `T5Attention.forward` (transformers==5.24.0): the configured attention
+        interface (T5's `eager_attention_forward` by default) on `[B, H, S, D]` queries, keys and values."""
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
-        attn_output, attn_weights = attention_interface(
+        return attention_interface(
             self,
             query_states,
             key_states,
@@ -107,8 +116,6 @@ class FlexT5Attention(T5Attention):
             position_bias=position_bias,
             **kwargs,
         )
-        attn_output = self.o(attn_output.reshape(*input_shape, -1).contiguous())
-        return attn_output, position_bias, attn_weights
 
     def _flex_packed_self_attention(self, hidden_states, mask, position_bias, rows: PackedRows, **kwargs):
         """Derived from `T5Attention.forward` (transformers==5.24.0) for the encoder's self-attention on packed
@@ -130,19 +137,8 @@ class FlexT5Attention(T5Attention):
                 position_bias = self.compute_bias(rows.length, rows.length, device=query_states.device)
             else:
                 position_bias = query_states.new_zeros((1, self.n_heads, rows.length, rows.length))
-        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
-        attn_output, attn_weights = attention_interface(
-            self,
-            query_states,
-            key_states,
-            value_states,
-            mask,
-            dropout=0.0 if not self.training else self.dropout,
-            scaling=self.scaling,
-            position_bias=position_bias,
-            **kwargs,
+        attn_output, attn_weights = self._flex_attend(
+            query_states, key_states, value_states, mask, position_bias, **kwargs
         )
         attn_output = rows.pack(attn_output.reshape(rows.batch, rows.length, -1))
         return self.o(attn_output), position_bias, attn_weights

@@ -55,3 +55,14 @@ def real_positions(attention_mask: torch.Tensor) -> torch.Tensor:
     """`[B, L]` attention mask -> `[N]` flat positions of its real tokens (`PackedRows.index`); run eagerly, before
     a compiled encoder (its size is the call's number of real tokens)."""
     return attention_mask.reshape(-1).nonzero().squeeze(1)
+
+
+def run_packed(layers, hidden_states: torch.Tensor, mask, attention_mask: torch.Tensor, index: torch.Tensor):
+    """`[B, L, d]` states -> `[B, L, d]` (zeros at the padding): each of an encoder's `layers` run in turn on the
+    real tokens (`PackedRows.pack`), as `layer(states, mask, packed_rows=rows)`, which the layer passes on to its
+    self-attention (BART's encoder layers and their copies: `FlexBartAttentionMixin._flex_packed_self_attention`)."""
+    rows = PackedRows.of(attention_mask, index)
+    hidden_states = rows.pack(hidden_states)
+    for layer in layers:
+        hidden_states = layer(hidden_states, mask, packed_rows=rows)
+    return rows.unpack(hidden_states)

@@ -331,7 +331,14 @@ def _int8_fbgemm_mm(
     total = None
     for start, stop, packed in parts:
         part_inputs = inputs if stop - start == inputs.shape[1] else inputs[:, start:stop].contiguous()
-        part = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(part_inputs, 1.0, zero_point, packed)
+        # Called from Python, an op given a TorchScript object (`packed`) looks for `__torch_function__` on it, which
+        # raises and catches a C++ exception and formats its message at every call; with subclasses' torch functions
+        # off it does not look. Measured on an AMD EPYC Zen 3, one thread: 27 against 50-60 us for one row of 512 x
+        # 512 alone; a quantized t5-small-sized T5's decode step (49 such products from 3 rows on) 1.4-1.7 ms less.
+        with torch._C.DisableTorchFunctionSubclass():
+            part = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+                part_inputs, 1.0, zero_point, packed
+            )
         if len(parts) == 1:
             return part if out_dtype == torch.float32 else part.to(out_dtype)
         part = part.to(torch.int32)

@@ -334,16 +334,23 @@ def _int8_fbgemm_mm(
         # Called from Python, an op given a TorchScript object (`packed`) looks for `__torch_function__` on it, which
         # raises and catches a C++ exception and formats its message at every call; with subclasses' torch functions
         # off it does not look. Measured on an AMD EPYC Zen 3, one thread: 27 against 50-60 us for one row of 512 x
-        # 512 alone; a quantized t5-small-sized T5's decode step (49 such products from 3 rows on) 1.4-1.7 ms less.
+        # 512 alone; a quantized t5-small-sized T5's decode step (49 such products from 3 rows on) 1.1-3.6 ms less.
         with torch._C.DisableTorchFunctionSubclass():
-            part = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
-                part_inputs, 1.0, zero_point, packed
-            )
+            part = _fbgemm_linear()(part_inputs, 1.0, zero_point, packed)
         if len(parts) == 1:
             return part if out_dtype == torch.float32 else part.to(out_dtype)
         part = part.to(torch.int32)
         total = part if total is None else total.add_(part)
     return total.to(out_dtype)
+
+
+@functools.cache
+def _fbgemm_linear():
+    """FBGEMM's linear (`quantized::linear_with_input_q_dq_qweight_dq_output_fp32.default`) called past the Python
+    check that its `__call__` makes for fake TorchScript objects (a pytree walk of the arguments, for tracing; this
+    kernel only ever gets real ones): the overload's `_op`, where torch has one."""
+    overload = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32.default
+    return getattr(overload, "_op", overload)
 
 
 # Registered as a plain library op (a CPU kernel and a fake): a `torch.library.custom_op` took 40 us more a call

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import json
 
@@ -291,3 +292,28 @@ def test_named_compiled_int8_rows_run_in_a_quick_run_against_the_eager_int8_mode
     assert compiled["token_agreement"] == 1.0  # on the tiny model: the eager int8 tokens
     assert compiled["max_score_diff"] is not None and compiled["max_score_diff_vs_fp32"] is not None
     assert compiled["compiled_graphs"] >= 1
+
+
+def test_quick_bench_freezes_the_collectors_heap_for_the_stream_only(quick_run, monkeypatch, tmp_path):
+    _, report, printed = quick_run
+    for model in report["models"].values():
+        assert model["gc"]["frozen_objects"] > 0 and model["gc"]["collections"] >= 0
+    assert "garbage collector during the stream:" in printed and gc.get_freeze_count() == 0
+
+    # Frozen while the stream's calls run, not during the warm-ups; --no-gc-freeze leaves it alone.
+    from transformers_flexcache.bench.torch_runner import TorchRunner
+
+    seen = []
+    run = TorchRunner.run
+    monkeypatch.setattr(
+        TorchRunner, "run", lambda self, *a, **k: seen.append(gc.get_freeze_count()) or run(self, *a, **k)
+    )
+    args = ["bench", "--quick", "--models", "t5", "--calls", "2", "--strategies", "dynamic", "--no-ctranslate2"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main([*args, "--threads", "1", "--no-progress", "--json", str(tmp_path / "a.json")]) == 0
+        assert (
+            main([*args, "--threads", "1", "--no-progress", "--no-gc-freeze", "--json", str(tmp_path / "b.json")]) == 0
+        )
+    assert seen[0] == 0 and all(count > 0 for count in seen[1:3]) and seen[3:] == [0, 0, 0]
+    assert json.loads((tmp_path / "b.json").read_text())["models"]["t5"]["gc"]["frozen_objects"] == 0
+    assert gc.get_freeze_count() == 0

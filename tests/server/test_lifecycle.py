@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -156,5 +157,7 @@ def test_sigterm_finishes_the_running_request_refuses_new_ones_and_exits_0(tmp_p
     usage = json.loads(events[-2].removeprefix("data: "))["usage"]
     assert usage["completion_tokens"] == 600  # the running request ran to its end
     assert "serving tiny" in output
+    frozen = re.search(r"garbage collector: (\d+) objects of the start frozen", output)
+    assert frozen and int(frozen.group(1)) > 10_000, output  # the model, transformers' and torch's modules
     with pytest.raises(httpx.TransportError):  # and the port is closed
         httpx.get(f"{base_url}/health", timeout=1)

@@ -110,6 +110,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-ctranslate2", action="store_true", help="skip the CTranslate2 row for T5 and Marian")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--no-gc-freeze",
+        action="store_true",
+        help="leave the garbage collector's heap unfrozen during the timed stream (by default it is frozen after the "
+        "warm-ups, as `serve` freezes it before opening its port: docs/performance.md)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write every figure, per strategy and per call, as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of time and cache memory per call (matplotlib)")
 

@@ -17,10 +17,15 @@ Design decisions:
   seeded continuation, against the fp32 model's (`logits_error`), before the models are cast or quantized.
 - Each decode step is compared with the bandwidth floor of its own weights: fp32 (or the run's dtype), and for int8
   rows the bytes of an int8 step (int8 data and scales of the linears, the rest in float).
+- The garbage collector's heap is frozen for the timed stream, after the warm-ups (`gc_heap.frozen_heap`), as a
+  server freezes it after its start (`serve` does): else a full collection over the compiled graphs (0.1-1 s) lands
+  on whichever call runs then. The collections seen during the stream are reported (`gc`), `--no-gc-freeze` runs
+  it unfrozen.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import importlib.util
@@ -29,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..gc_heap import Collections, frozen_heap
 from ..quantization import quantize
 from .executorch import OURS as EXECUTORCH
 from .measure import CallRecord, DecodeStepBytes, ratios, same_prefix_score_diff, summarize
@@ -66,6 +72,7 @@ class ModelResult:
     int8_decode_step_bytes: dict = field(default_factory=dict)  # the same for the int8 model
     int8_floor_step_ms: float | None = None
     logits_error: dict[str, dict] = field(default_factory=dict)  # "int8"/"bfloat16" -> error against fp32 logits
+    gc: dict = field(default_factory=dict)  # the collector during the timed stream (`gc_heap.Collections.summary`)
 
     def reference_of(self, name: str) -> str:
         return self.references.get(name, BASELINE)
@@ -272,10 +279,13 @@ def run_model(model: BenchModel, args, strategies: list[Strategy], log) -> Model
         return result
 
     progress = _progress(result.stream, model.name, args.no_progress)
-    for index, call in enumerate(progress):
-        inputs = model.make_inputs(config, call.batch_size, call.length, generator)
-        order = runners[index % len(runners) :] + runners[: index % len(runners)]
-        result.add_call({runner.name: runner.run(inputs, args.new_tokens) for runner in order})
+    frozen = contextlib.nullcontext(0) if args.no_gc_freeze else frozen_heap()
+    with frozen as frozen_objects, Collections() as collections:
+        for index, call in enumerate(progress):
+            inputs = model.make_inputs(config, call.batch_size, call.length, generator)
+            order = runners[index % len(runners) :] + runners[: index % len(runners)]
+            result.add_call({runner.name: runner.run(inputs, args.new_tokens) for runner in order})
+    result.gc = {"frozen_objects": frozen_objects, **collections.summary()}
 
     result.decode_step_bytes = _decode_step_bytes(model, upstream, result, generator, args.device)
     if int8:

@@ -119,6 +119,7 @@ def _model_json(result) -> dict:
         "int8_decode_step_bytes": result.int8_decode_step_bytes,
         "int8_floor_step_ms": result.int8_floor_step_ms,
         "logits_error": result.logits_error,
+        "gc": result.gc,
         "new_tokens": result.new_tokens,
         "reference_distinct_tokens_per_row": _distinct_tokens_per_row(result),
         "stream": _stream_json(result),
@@ -553,6 +554,8 @@ def format_model(name: str, model: dict, *, bandwidth: float | None = None) -> s
         if floor:
             lines.append("  " + floor)
         lines += ["  " + line for line in _logits_lines(model)]
+        if model.get("gc"):
+            lines += _wrapped("", [_gc_line(model["gc"])])
     if model["strategies"]:
         tables = (_time_table, _step_table, _batch_tables, _forward_table, _memory_table, _executorch_table)
         for table in tables:
@@ -563,6 +566,14 @@ def format_model(name: str, model: dict, *, bandwidth: float | None = None) -> s
     lines += _wrapped("note: ", model["notes"] + _score_notes(model) + _difference_notes(model))
     lines += _wrapped("FAILED: ", model["failures"])
     return "\n".join(lines)
+
+
+def _gc_line(gc: dict) -> str:
+    frozen = f"{gc['frozen_objects']} objects frozen" if gc["frozen_objects"] else "not frozen (--no-gc-freeze)"
+    return (
+        f"garbage collector during the stream: {frozen}, {gc['collections']} collections ({gc['full']} full), "
+        f"longest {gc['longest_ms']:.1f} ms, {gc['total_ms']:.0f} ms in all"
+    )
 
 
 def _wrapped(label: str, paragraphs: list[str], width: int = 100, indent: str = "  ") -> list[str]:

@@ -10,6 +10,9 @@ Design decisions:
 - `--compile`: the bucketed shape policy, `compile_config_for_cpu()`, and `Engine.warmup()` before the port opens, so
   that no request pays a compile; each combination of buckets is one graph. Without `--buckets`, the engine's
   default buckets (`serving/buckets.py`: one seat and half the seats, half of each length; 12 graphs at most).
+- Once the engine is built and warmed up, the garbage collector's heap is frozen (`gc_heap.freeze_heap`, as vLLM
+  does after its start): a full collection would otherwise walk the compiled graphs and the model (0.1-1 s on the
+  benchmark's CPU) while requests wait. Objects made while serving are still collected.
 - SIGTERM (or Ctrl-C): uvicorn closes the port and waits for the running requests to be answered; a new request on a
   connection still open gets 503; then the engine closes with `drain=True`, and the command exits with status 0.
 """
@@ -22,6 +25,7 @@ import signal
 import sys
 import time
 
+from ..gc_heap import freeze_heap
 from ..serving.buckets import default_buckets
 
 DEFAULT_MAX_BATCH_SIZE = 8
@@ -229,6 +233,7 @@ def run(args, parser=None) -> int:
         f"{'compiled' if args.compile else 'eager'}) at http://{args.host}:{args.port}/v1",
         flush=True,
     )
+    print(f"garbage collector: {freeze_heap()} objects of the start frozen (gc.freeze)", flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
     server = _draining_server_class()(config, served=app.state.served)
     # uvicorn installs its handlers while it serves, then restores these and raises the signal again (so that a

@@ -3,6 +3,7 @@ checked against upstream's DynamicCache on each request alone (its exit status).
 
 from __future__ import annotations
 
+import gc
 import json
 
 from transformers_flexcache.__main__ import main
@@ -29,6 +30,8 @@ def test_the_quick_load_benchmark_prints_every_column_and_checks_its_tokens(tmp_
             assert row["tokens_equal"] == 6
     assert any(line.startswith("in-flight compiled / static batching") for line in printed.splitlines())
     assert "machine:" in printed
+    assert report["models"]["t5"]["gc"]["frozen_objects"] > 0 and "garbage collector during the loads" in printed
+    assert gc.get_freeze_count() == 0  # handed back after the loads
     assert "failed" not in printed  # no strategy's request failed (a failure is a note, not a crash)
 
 

@@ -23,6 +23,9 @@ Design decisions:
   completion; the batch size for the batching strategies), cache storage allocated during the stream (the bench's
   allocation counter on the caches each forward sees; not available for CTranslate2 and compiled forwards, whose
   caches are checked by address instead), and how many requests' tokens equal the reference.
+- The garbage collector's heap is frozen once a model's strategies are built and warmed up, for its loads
+  (`gc_heap.frozen_heap`), as `serve` freezes it before it opens its port; the collections seen during them are
+  reported (`gc`).
 - Goals, read off the table: at the offered load where static batching saturates (its completed rate falls below
   90% of the offered one), the compiled engine's request throughput over static batching's (goal: at least 1.5x) and
   its p99 latency over static batching's (at most 0.5x); against CTranslate2 at that load, at least its throughput
@@ -40,6 +43,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ..gc_heap import Collections, frozen_heap
 from .models import BENCH_MODELS, _special_ids, build_models
 from .report import machine_info
 from .serve_strategies import STRATEGIES, LoadRequest, Strategy, build_strategies
@@ -304,16 +308,18 @@ def _run(args) -> int:
             else [round(base_rate * multiple, 3) for multiple in LOAD_MULTIPLES]
         )
         rows = []
-        for rate in loads:
-            reference = None
-            for strategy in strategies:
-                run_stream(strategy, stream, rate, timeout=args.timeout)
-                row = summarize(model_name, strategy, rate, reference)
-                if strategy.name == "one-at-a-time":
-                    reference = {index: outcome.tokens for index, outcome in strategy.outcomes.items()}
-                    row.tokens_equal = row.num_requests - row.failed
-                rows.append(row)
-                all_equal &= row.tokens_equal == row.num_requests or strategy.name == "ctranslate2"
+        with frozen_heap() as frozen, Collections() as collections:
+            for rate in loads:
+                reference = None
+                for strategy in strategies:
+                    run_stream(strategy, stream, rate, timeout=args.timeout)
+                    row = summarize(model_name, strategy, rate, reference)
+                    if strategy.name == "one-at-a-time":
+                        reference = {index: outcome.tokens for index, outcome in strategy.outcomes.items()}
+                        row.tokens_equal = row.num_requests - row.failed
+                    rows.append(row)
+                    all_equal &= row.tokens_equal == row.num_requests or strategy.name == "ctranslate2"
+        gc = {"frozen_objects": frozen, **collections.summary()}
         for strategy in strategies:
             strategy.close()
         print(
@@ -327,13 +333,22 @@ def _run(args) -> int:
                 "compile and warm-up (excluded from the rows): "
                 + ", ".join(f"{k} {v:.0f} s" for k, v in compile_s.items())
             )
+        print(
+            f"garbage collector during the loads: {gc['frozen_objects']} objects frozen, {gc['collections']} "
+            f"collections ({gc['full']} full), longest {gc['longest_ms']:.1f} ms"
+        )
         notes = sorted({note for row in rows for note in row.notes})
         for note in notes:
             print(f"note: {note}")
         verdict = goals(rows)
         for line in verdict:
             print(line)
-        report["models"][model_name] = {"rows": [asdict(row) for row in rows], "goals": verdict, "loads": loads}
+        report["models"][model_name] = {
+            "rows": [asdict(row) for row in rows],
+            "goals": verdict,
+            "loads": loads,
+            "gc": gc,
+        }
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2, default=str)

@@ -555,7 +555,7 @@ def format_model(name: str, model: dict, *, bandwidth: float | None = None) -> s
             lines.append("  " + floor)
         lines += ["  " + line for line in _logits_lines(model)]
         if model.get("gc"):
-            lines += _wrapped("", [_gc_line(model["gc"])])
+            lines += _wrapped("", [gc_line(model["gc"])])
     if model["strategies"]:
         tables = (_time_table, _step_table, _batch_tables, _forward_table, _memory_table, _executorch_table)
         for table in tables:
@@ -568,11 +568,13 @@ def format_model(name: str, model: dict, *, bandwidth: float | None = None) -> s
     return "\n".join(lines)
 
 
-def _gc_line(gc: dict) -> str:
-    frozen = f"{gc['frozen_objects']} objects frozen" if gc["frozen_objects"] else "not frozen (--no-gc-freeze)"
+def gc_line(figures: dict, during: str = "the stream") -> str:
+    """The collector's figures (`{"frozen_objects": n, **gc_heap.Collections.summary()}`) as one line."""
+    frozen = figures["frozen_objects"]
     return (
-        f"garbage collector during the stream: {frozen}, {gc['collections']} collections ({gc['full']} full), "
-        f"longest {gc['longest_ms']:.1f} ms, {gc['total_ms']:.0f} ms in all"
+        f"garbage collector during {during}: {f'{frozen} objects frozen' if frozen else 'not frozen (--no-gc-freeze)'}"
+        f", {figures['collections']} collections ({figures['full']} full), longest {figures['longest_ms']:.1f} ms, "
+        f"{figures['total_ms']:.0f} ms in all"
     )
 
 

@@ -45,7 +45,7 @@ import torch
 
 from ..gc_heap import Collections, frozen_heap
 from .models import BENCH_MODELS, _special_ids, build_models
-from .report import machine_info
+from .report import gc_line, machine_info
 from .serve_strategies import STRATEGIES, LoadRequest, Strategy, build_strategies
 
 SERVE_MODELS = ("t5", "marian")
@@ -319,7 +319,7 @@ def _run(args) -> int:
                         row.tokens_equal = row.num_requests - row.failed
                     rows.append(row)
                     all_equal &= row.tokens_equal == row.num_requests or strategy.name == "ctranslate2"
-        gc = {"frozen_objects": frozen, **collections.summary()}
+        collector = {"frozen_objects": frozen, **collections.summary()}
         for strategy in strategies:
             strategy.close()
         print(
@@ -333,10 +333,7 @@ def _run(args) -> int:
                 "compile and warm-up (excluded from the rows): "
                 + ", ".join(f"{k} {v:.0f} s" for k, v in compile_s.items())
             )
-        print(
-            f"garbage collector during the loads: {gc['frozen_objects']} objects frozen, {gc['collections']} "
-            f"collections ({gc['full']} full), longest {gc['longest_ms']:.1f} ms"
-        )
+        print(gc_line(collector, during="the loads"))
         notes = sorted({note for row in rows for note in row.notes})
         for note in notes:
             print(f"note: {note}")
@@ -347,7 +344,7 @@ def _run(args) -> int:
             "rows": [asdict(row) for row in rows],
             "goals": verdict,
             "loads": loads,
-            "gc": gc,
+            "gc": collector,
         }
     if args.json:
         with open(args.json, "w") as f:

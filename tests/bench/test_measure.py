@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.model_cases import LLAMA
+from tests.model_cases import LLAMA, T5
 from transformers_flexcache.bench.measure import CallRecord, DecodeStepBytes, summarize
 from transformers_flexcache.bench.stream import bench_buckets
 
@@ -51,7 +51,12 @@ def test_largest_batch_step_is_the_median_step_of_the_calls_at_the_largest_batch
         (
             True,
             {"max_batch_size": 8, "max_cache_len": 13, "max_encoder_len": 48},
-            {"max_batch_size": [1, 4], "max_encoder_len": [24]},
+            {"max_batch_size": [1, 2, 4, 6], "max_encoder_len": [48]},
+        ),
+        (
+            True,
+            {"max_batch_size": 8, "max_cache_len": 13, "max_encoder_len": 200},
+            {"max_batch_size": [1, 2, 4, 6], "max_encoder_len": [100]},
         ),
         (
             False,
@@ -60,7 +65,7 @@ def test_largest_batch_step_is_the_median_step_of_the_calls_at_the_largest_batch
         ),
     ],
 )
-def test_bench_buckets_take_one_row_and_halve_each_capacity_and_split_decoder_only_prompts_in_quarters(
+def test_bench_buckets_take_rows_in_quarters_the_encoder_length_halved_past_64_and_decoder_only_prompts_in_quarters(
     encoder_decoder, capacities, expected
 ):
     assert bench_buckets(capacities, encoder_decoder=encoder_decoder, new_tokens=12) == expected
@@ -87,6 +92,21 @@ def test_bench_buckets_of_a_decoder_only_model_make_six_decode_shapes_whatever_t
         (8, 35),
         (8, 59),
     }
+
+
+def test_bench_buckets_of_an_encoder_decoder_model_make_five_decode_shapes_at_the_default_stream():
+    from transformers_flexcache.cache import CacheConfig
+    from transformers_flexcache.padding import POLICIES
+    from transformers_flexcache.registry import convert
+
+    upstream, _ = T5.build("sdpa")
+    model = convert(upstream)
+    capacities = {"max_batch_size": 8, "max_cache_len": 13, "max_encoder_len": 48}
+    buckets = bench_buckets(capacities, encoder_decoder=True, new_tokens=12, min_encoder_len=8)
+    config = CacheConfig.parse({**capacities, "shape_policy": "bucketed", "buckets": buckets})
+    shapes = POLICIES["bucketed"].call_shapes(model, config, max_new_tokens=12, expand=1)
+    # one decode graph per rows bucket, every one at the encoder length's capacity
+    assert {(shape.batch_size, shape.length) for shape in shapes} == {(rows, 48) for rows in (1, 2, 4, 6, 8)}
 
 
 def test_an_int8_decode_step_counts_int8_weights_by_their_int8_data_and_scales():

@@ -10,12 +10,24 @@ Design decisions:
   a compiled decode step at batch 1, which CTranslate2's own minimum length does not pay. A service does not force a
   minimum length; the benchmark does so that every strategy decodes the same steps, and should not charge it.
 - The flexible strategies' capacities fit every call of the stream (`capacities_for`): allocated once, never grown.
-- The bucketed strategy's buckets (`bench_buckets`): one row, half the capacity and the capacity for rows; half the
-  capacity and the capacity for encoder or decoder lengths: 6 graphs per model (2 for Whisper); decoder-only prompts
-  also at a quarter and three quarters of their capacity, which costs no graph (the prefill runs eagerly) and
-  shortens the prefill of short prompts. The one-row bucket is there for the light load of a service: on an Intel
-  Xeon (MKL's linears, one thread) opus-mt-sized Marian's compiled step at batch 1 took 15.0 ms in a bucket of one
-  row against 21.1 ms in a bucket of 4 (on an AMD EPYC with oneDNN's linears, 18.1 against 18.4 ms: no cost there).
+- The bucketed strategy's buckets (`bench_buckets`). Encoder-decoder models: rows at one row, a quarter, a half and
+  three quarters of the capacity (1, 2, 4, 6 and 8 at the default 8), and the encoder length at its capacity only
+  where that is at most `ONE_ENCODER_BUCKET_MAX` positions (the default stream's 48): 5 decode graphs. Measured side by
+  side on an AMD EPYC Zen 3 (t5-small-sized T5, bucketed compiled, one thread, the 8 calls of the default stream 6
+  times, interleaved; a script outside the repo): with rows 1, 4, 8 the encoder's half bucket (24) besides the
+  capacity made no difference (the stream summed 1788 against 1729 ms in int8, 3363 against 3334 in fp32, tokens
+  equal): at 48 positions a decode step's cross-attention costs nothing measurable beside its linears (the keys and
+  values are projected at the call's own length either way), and it doubled the decode graphs (6 against 3, about
+  25 s of compiling each). Rows at quarters cut the padding rows of batches 2, 5 and 6: the stream 1711 ms (int8)
+  and 3195 (fp32), 4-5% under the 6 graphs of one row, half the rows and half the encoder length, with one graph
+  fewer. Over `ONE_ENCODER_BUCKET_MAX` positions (`--max-length`) the half encoder bucket comes back: a step reads
+  the whole span's cross-attention keys and values. Decoder-only models: one row and half the rows, and the decoder
+  length that a prompt of half the capacity reaches: 6 graphs (finer rows would pass dynamo's 8 per function);
+  prompts also at a quarter, a half and three quarters of their capacity, which costs no graph (the prefill runs
+  eagerly) and shortens the prefill of short prompts. The one-row bucket is there for the light load of a service:
+  on an Intel Xeon (MKL's linears, one thread) opus-mt-sized Marian's compiled step at batch 1 took 15.0 ms in a
+  bucket of one row against 21.1 ms in a bucket of 4 (on an AMD EPYC with oneDNN's linears, 18.1 against 18.4 ms:
+  no cost there).
 """
 
 from __future__ import annotations
@@ -27,6 +39,10 @@ import torch
 from transformers import LogitsProcessor
 
 from ..serving.buckets import row_buckets
+
+# An encoder-decoder stream's encoder lengths get one decode bucket, the capacity, up to this many positions (see
+# the module docstring: measured at 48).
+ONE_ENCODER_BUCKET_MAX = 64
 
 # The stream's shape when the command line does not set it: `--quick`, and the default run.
 QUICK_DEFAULTS = {"calls": 6, "max_batch_size": 4, "min_length": 4, "max_length": 16, "new_tokens": 8}
@@ -86,20 +102,24 @@ def make_stream(*, num_calls: int, max_batch_size: int, min_len: int, max_len: i
 def bench_buckets(
     capacities: dict[str, int], *, encoder_decoder: bool, new_tokens: int, min_encoder_len: int | None = None
 ) -> dict[str, list[int]]:
-    """The bucketed strategy's buckets, then each capacity: one row and half the capacity of rows; half the encoder
-    length (encoder-decoder models whose stream has encoder lengths that short: not Whisper's, always 1500); for
-    decoder-only models, prompts at a quarter, a half and three quarters of the capacity, and the decoder length that
-    a prompt of half the capacity reaches (prompt + new tokens - 1).
+    """The bucketed strategy's buckets, then each capacity (see the module docstring). Encoder-decoder models: rows at
+    one row and quarters of the capacity (`quarter_row_buckets`); the encoder length at its capacity, and at half of
+    it too where the capacity is over `ONE_ENCODER_BUCKET_MAX` and the stream has encoder lengths that short (not
+    Whisper's, always 1500). Decoder-only models: one row and half the rows (`row_buckets`), prompts at a quarter, a
+    half and three quarters of the capacity, and the decoder length that a prompt of half the capacity reaches
+    (prompt + new tokens - 1).
 
-    Generate compiles one decode graph per rows and decoder (or encoder) length bucket: 6 graphs per model (2 for
-    Whisper, whose 2 rows of capacity make one row the half). Prompt buckets add none (the prefill runs eagerly),
-    they only shorten the prefill of short prompts: on the ~100M Llama at 2 threads the stream took 0.97x
-    DynamicCache's time with these three, 1.04x with the half alone (first token 183 ms against 236 ms)."""
+    Generate compiles one decode graph per rows and decoder (or encoder) length bucket: 5 graphs for T5, BART and
+    Marian at the default stream, 6 for a decoder-only model, 2 for Whisper (2 rows of capacity, one encoder length).
+    Prompt buckets add none (the prefill runs eagerly), they only shorten the prefill of short prompts: on the ~100M
+    Llama at 2 threads the stream took 0.97x DynamicCache's time with these three, 1.04x with the half alone (first
+    token 183 ms against 236 ms)."""
     if encoder_decoder:
-        half = (capacities["max_encoder_len"] + 1) // 2
+        capacity = capacities["max_encoder_len"]
+        half = (capacity + 1) // 2
         used = min_encoder_len is None or min_encoder_len <= half
-        encoder = [half] if used else [capacities["max_encoder_len"]]  # the capacity alone: no smaller bucket
-        return {"max_batch_size": row_buckets(capacities["max_batch_size"]), "max_encoder_len": encoder}
+        encoder = [half] if used and capacity > ONE_ENCODER_BUCKET_MAX else [capacity]
+        return {"max_batch_size": quarter_row_buckets(capacities["max_batch_size"]), "max_encoder_len": encoder}
     prompt = capacities["max_prompt_len"]
     half = (prompt + 1) // 2
     return {
@@ -107,6 +127,12 @@ def bench_buckets(
         "max_prompt_len": sorted({max(1, prompt // 4), half, max(1, 3 * prompt // 4)} - {prompt}),
         "max_cache_len": [half + new_tokens - 1],
     }
+
+
+def quarter_row_buckets(capacity: int) -> list[int]:
+    """One row and a quarter, a half and three quarters of the capacity of rows (rounded up), below the capacity
+    (always the last bucket): 1, 2, 4, 6 for 8 rows; the capacity itself when it is 1 (a list is never empty)."""
+    return sorted({1, *(-(-capacity * quarters // 4) for quarters in (1, 2, 3))} - {capacity}) or [capacity]
 
 
 def capacities_for(config, stream: list[Call], new_tokens: int) -> dict[str, int]:

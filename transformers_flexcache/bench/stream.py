@@ -11,7 +11,7 @@ Design decisions:
   minimum length; the benchmark does so that every strategy decodes the same steps, and should not charge it.
 - The flexible strategies' capacities fit every call of the stream (`capacities_for`): allocated once, never grown.
 - The bucketed strategy's buckets (`bench_buckets`). Encoder-decoder models: rows at one row, a quarter, a half and
-  three quarters of the capacity (1, 2, 4, 6 and 8 at the default 8), and the encoder length at its capacity only
+  three quarters of the capacity (`serving.buckets.row_buckets` in quarters: 1, 2, 4, 6 and 8 at the default 8), and the encoder length at its capacity only
   where that is at most `ONE_ENCODER_BUCKET_MAX` positions (the default stream's 48): 5 decode graphs. Measured side by
   side on an AMD EPYC Zen 3 (t5-small-sized T5, bucketed compiled, one thread, the 8 calls of the default stream 6
   times, interleaved; a script outside the repo): with rows 1, 4, 8 the encoder's half bucket (24) besides the
@@ -103,7 +103,7 @@ def bench_buckets(
     capacities: dict[str, int], *, encoder_decoder: bool, new_tokens: int, min_encoder_len: int | None = None
 ) -> dict[str, list[int]]:
     """The bucketed strategy's buckets, then each capacity (see the module docstring). Encoder-decoder models: rows at
-    one row and quarters of the capacity (`quarter_row_buckets`); the encoder length at its capacity, and at half of
+    one row and quarters of the capacity (`row_buckets(..., parts=4)`); the encoder length at its capacity, and at half of
     it too where the capacity is over `ONE_ENCODER_BUCKET_MAX` and the stream has encoder lengths that short (not
     Whisper's, always 1500). Decoder-only models: one row and half the rows (`row_buckets`), prompts at a quarter, a
     half and three quarters of the capacity, and the decoder length that a prompt of half the capacity reaches
@@ -119,7 +119,7 @@ def bench_buckets(
         half = (capacity + 1) // 2
         used = min_encoder_len is None or min_encoder_len <= half
         encoder = [half] if used and capacity > ONE_ENCODER_BUCKET_MAX else [capacity]
-        return {"max_batch_size": quarter_row_buckets(capacities["max_batch_size"]), "max_encoder_len": encoder}
+        return {"max_batch_size": row_buckets(capacities["max_batch_size"], parts=4), "max_encoder_len": encoder}
     prompt = capacities["max_prompt_len"]
     half = (prompt + 1) // 2
     return {
@@ -127,12 +127,6 @@ def bench_buckets(
         "max_prompt_len": sorted({max(1, prompt // 4), half, max(1, 3 * prompt // 4)} - {prompt}),
         "max_cache_len": [half + new_tokens - 1],
     }
-
-
-def quarter_row_buckets(capacity: int) -> list[int]:
-    """One row and a quarter, a half and three quarters of the capacity of rows (rounded up), below the capacity
-    (always the last bucket): 1, 2, 4, 6 for 8 rows; the capacity itself when it is 1 (a list is never empty)."""
-    return sorted({1, *(-(-capacity * quarters // 4) for quarters in (1, 2, 3))} - {capacity}) or [capacity]
 
 
 def capacities_for(config, stream: list[Call], new_tokens: int) -> dict[str, int]:

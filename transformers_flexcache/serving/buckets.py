@@ -25,7 +25,9 @@ def default_buckets(capacities: dict) -> dict[str, list[int]]:
     return buckets
 
 
-def row_buckets(capacity: int) -> list[int]:
-    """One row and half the capacity of rows, below the capacity (which is always the last bucket); the capacity
-    itself when it is 1 (a bucket list is never empty)."""
-    return sorted({1, (capacity + 1) // 2} - {capacity}) or [capacity]
+def row_buckets(capacity: int, parts: int = 2) -> list[int]:
+    """One row and each `k / parts` of the capacity of rows (`k` = 1 .. parts - 1, rounded up), below the capacity
+    (which is always the last bucket): `[1, 4]` for 8 rows in halves, `[1, 2, 4, 6]` in quarters; the capacity itself
+    when it is 1 (a bucket list is never empty)."""
+    fractions = {-(-capacity * k // parts) for k in range(1, parts)}
+    return sorted({1, *fractions} - {capacity}) or [capacity]

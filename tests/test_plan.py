@@ -15,9 +15,10 @@ import threading
 
 import pytest
 import torch
+from transformers import GenerationConfig, GenerationMixin
 
-from tests.helpers import generate_both
-from tests.model_cases import LLAMA, MODEL_CASES, T5, WHISPER
+from tests.helpers import assert_same_padded_generation, generate_both, own_copy
+from tests.model_cases import BART, LLAMA, MODEL_CASES, T5, WHISPER
 from transformers_flexcache import padding, plan
 from transformers_flexcache.cache import (
     CacheConfig,
@@ -98,6 +99,97 @@ def test_a_padded_call_over_max_cache_len_is_refused_before_anything_is_padded(m
             max_new_tokens=12,
         )
     assert padded == [] and flex.flexible_cache is None
+
+
+# --- the generation config, resolved once ---------------------------------------------------------------------------
+class _Resolutions:
+    """Counts upstream's `GenerationMixin._prepare_generation_config` (what a resolution of the config runs)."""
+
+    def __init__(self, monkeypatch):
+        self.count = 0
+        upstream = GenerationMixin._prepare_generation_config
+
+        def counting(model, *args, **kwargs):
+            self.count += 1
+            return upstream(model, *args, **kwargs)
+
+        monkeypatch.setattr(GenerationMixin, "_prepare_generation_config", counting)
+
+
+@pytest.mark.parametrize("shape_policy", ["padded", "bucketed"])
+@pytest.mark.parametrize("case", CASES)
+def test_a_fixed_shape_call_resolves_its_generation_config_once(case, shape_policy, monkeypatch):
+    # The door resolves the config before it pads; upstream's generate takes that one instead of resolving it again.
+    upstream, flex = case.build()
+    generator = torch.Generator().manual_seed(3)
+    for (batch_size, length), strategy in zip([(2, 5), (1, 7)], STRATEGIES, strict=True):
+        inputs = case.make_inputs(batch_size, case.decoding_input_len or length, generator)
+        kwargs = {"max_new_tokens": 3, **STRATEGIES[strategy], **case.generate_kwargs}
+        resolutions = _Resolutions(monkeypatch)
+        flex.generate(
+            **own_copy(inputs),
+            cache_implementation="flexible_static",
+            cache_config=_config(flex, shape_policy),
+            **kwargs,
+        )
+        if case is not WHISPER:  # Whisper's own generate resolves the config before it calls upstream's (twice)
+            assert resolutions.count == 1, f"{strategy}: resolved {resolutions.count} times"
+        monkeypatch.undo()
+        expected, actual = generate_both(upstream, flex, inputs, cache_config=_config(flex, shape_policy), **kwargs)
+        assert_same_padded_generation(upstream, flex, inputs, expected, actual, **kwargs)
+
+
+def test_a_call_with_a_generation_config_and_options_runs_as_upstream_resolves_it(monkeypatch):
+    # The options that upstream's generate reads after resolving (output_attentions, in the model kwargs too; the
+    # lengths from the given config, the sampling from the call) reach it as its own resolution gives them.
+    upstream, flex = BART.build()
+    inputs = BART.make_inputs(3, 6, torch.Generator().manual_seed(4))
+    given = GenerationConfig(max_new_tokens=4, do_sample=False, num_beams=1)
+    options = {"output_attentions": True, "return_dict_in_generate": True, "output_scores": True}
+    expected = upstream.generate(**own_copy(inputs), generation_config=given, **options)
+    resolutions = _Resolutions(monkeypatch)
+    actual = flex.generate(
+        **own_copy(inputs),
+        generation_config=given,
+        cache_implementation="flexible_static",
+        cache_config={"shape_policy": "bucketed", "max_batch_size": 4, "max_cache_len": 8, "max_encoder_len": 8},
+        **options,
+    )
+    assert resolutions.count == 1
+    assert_same_padded_generation(upstream, flex, inputs, expected, actual, generation_config=given, **options)
+    assert len(actual.decoder_attentions) == len(expected.decoder_attentions) == 4
+    for want, got in zip(expected.cross_attentions[0], actual.cross_attentions[0], strict=True):
+        torch.testing.assert_close(got[:3, :, :, :6], want, atol=1e-5, rtol=0)
+    assert given.max_new_tokens == 4 and given.cache_implementation is None  # the caller's config unchanged
+
+
+def test_the_held_resolution_is_taken_once_and_only_for_the_same_arguments():
+    plan = CallPlan(model=None, request=None, config=None, policy=None)
+    given, resolved = GenerationConfig(), GenerationConfig(max_new_tokens=3, output_hidden_states=True)
+    mask, length = torch.ones(2, 3), 3
+    asked = {"max_new_tokens": length, "attention_mask": mask}
+
+    def take(given_now, kwargs):
+        plan.hold_resolved(given, asked, resolved)
+        return plan.take_resolved(given_now, kwargs)
+
+    assert take(given, {"max_new_tokens": length, "attention_mask": torch.zeros(2, 4), "encoder_outputs": mask}) == (
+        resolved,
+        {"attention_mask": ANY_TENSOR, "encoder_outputs": mask, "output_hidden_states": True},
+    )
+    assert plan.take_resolved(given, asked) is None  # once
+    assert take(GenerationConfig(), asked) is None  # another config object
+    assert take(given, {"attention_mask": mask}) is None  # an option missing
+    assert take(given, {**asked, "max_new_tokens": 4}) is None  # an option of another value
+    assert take(given, {**asked, "num_beams": 2}) is None  # another option
+
+
+class _AnyTensor:
+    def __eq__(self, other):
+        return isinstance(other, torch.Tensor)
+
+
+ANY_TENSOR = _AnyTensor()
 
 
 # --- CallPlan.resolve, for the serving engine -----------------------------------------------------------------------

@@ -55,7 +55,6 @@ Design decisions:
 
 from __future__ import annotations
 
-import inspect
 import weakref
 
 import torch
@@ -69,6 +68,7 @@ from .cache.placement import cross_attention_projections
 from .linear_kernels import without_int8_float_gemms
 from .packing import real_positions
 from .quantization import first_linear_quantized
+from .signatures import signature_of
 
 STEP_GUARDS = ("first", "every")
 # An int8 model's compiled encoder side runs float32 GEMMs of its integers (`linear_kernels.Int8FloatGemms`) at up to
@@ -143,7 +143,7 @@ def encode_compiled(model, generation_config, input_ids: torch.Tensor, model_kwa
     """Derived from `GenerationMixin._prepare_text_encoder_decoder_kwargs_for_generation` (transformers==5.24.0):
     `model_kwargs` with `encoder_outputs` added. Differences: the encoder is the compiled one (`compiled_encoder`);
     arguments reach it as upstream passes them."""
-    accepted = set(inspect.signature(model.get_encoder().forward).parameters)
+    accepted = set(signature_of(model.get_encoder().forward).parameters)
     wildcard = "kwargs" in accepted or "model_kwargs" in accepted
     arguments = {
         name: value

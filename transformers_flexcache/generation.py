@@ -18,8 +18,6 @@ Design decisions:
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from transformers.generation.utils import GenerationMixin
 
@@ -38,6 +36,7 @@ from .request import (
     resolve_request,
     without_request,
 )
+from .signatures import signature_of
 
 
 class GuardsOfFirstStep:
@@ -133,8 +132,24 @@ class FlexCacheGenerationMixin(FixedShapeMasksMixin):
         taken out before upstream merges and validates the configs (upstream's validation knows only its own names; a
         valid one stands in), and set on the merged copy afterwards with its `cache_config`. Upstream's precedence is
         kept: the call's kwargs, then its `generation_config`, then the model's. The model's own config is rewritten
-        into the saved form, in place.
+        into the saved form, in place. Upstream's generate takes the config that a fixed-shape policy resolved at
+        the door of the same call, when its arguments are the same (`CallPlan.take_resolved`).
         """
+        plan = current_plan(self)
+        if plan is not None:
+            taken = plan.take_resolved(generation_config, kwargs)
+            if taken is not None:  # resolved at the door of this call, with these arguments
+                return taken
+            if plan.keep_resolved:  # the door's resolution: kept for upstream's generate to take
+                plan.keep_resolved, asked = False, (generation_config, dict(kwargs))
+                resolved, model_kwargs = self._flex_resolve_generation_config(generation_config, kwargs)
+                plan.hold_resolved(*asked, resolved)
+                return resolved, model_kwargs
+        return self._flex_resolve_generation_config(generation_config, kwargs)
+
+    def _flex_resolve_generation_config(self, generation_config, kwargs: dict):
+        """`_prepare_generation_config`'s resolution (its docstring): the request taken out, upstream's, the request
+        set on the merged copy."""
         request = self._flex_request(generation_config, kwargs)
         normalize_saved_form(self.generation_config)
         if not request.flexible:
@@ -249,7 +264,7 @@ class FlexCacheGenerationMixin(FixedShapeMasksMixin):
             for argument, value in model_kwargs.items()
             if not any(argument.startswith(prefix) for prefix in irrelevant_prefix)
         }
-        encoder_signature = set(inspect.signature(encoder.forward).parameters)
+        encoder_signature = set(signature_of(encoder.forward).parameters)
         if "kwargs" not in encoder_signature and "model_kwargs" not in encoder_signature:
             encoder_kwargs = {
                 argument: value for argument, value in encoder_kwargs.items() if argument in encoder_signature

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +63,7 @@ from .cache import CacheConfig, is_flexible_cache
 from .compiled_encoder import compiles_encoder, encode_compiled
 from .log import get_logger
 from .quantization import check_compiled_int8
+from .signatures import signature_of
 
 logger = get_logger(__name__)
 
@@ -394,7 +394,7 @@ class PaddedPolicy:
     def generate(self, plan, upstream_generate, args: tuple, kwargs: dict):
         """`upstream_generate(*args, **kwargs)`, padded to fixed shapes and cut back."""
         model = plan.model
-        signature = inspect.signature(upstream_generate)
+        signature = signature_of(upstream_generate)
         arguments = signature.bind(*args, **kwargs).arguments
         var_keyword = next(p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD)
         extra = dict(arguments.pop(var_keyword, {}))
@@ -405,6 +405,7 @@ class PaddedPolicy:
             and (generation_config is None or generation_config.max_length is None)
             and model.generation_config.max_length is None
         )
+        plan.keep_resolved = True  # upstream's generate takes it, not resolved twice (`CallPlan.take_resolved`)
         resolved, model_kwargs = model._prepare_generation_config(generation_config, **extra)
         plan.generation_config = resolved
         given = plan.given

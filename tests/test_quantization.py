@@ -28,7 +28,7 @@ from transformers_flexcache.compiled_encoder import (
     cross_attention_projector,
     has_int8_variants,
 )
-from transformers_flexcache.linear_kernels import Int8FloatGemms, has_fbgemm, int8_fbgemm_mm
+from transformers_flexcache.linear_kernels import FBGEMM_MIN_OUTPUTS, Int8FloatGemms, has_fbgemm, int8_fbgemm_mm
 from transformers_flexcache.quantization import int8_bits, quantization_of
 
 pytest.importorskip("torchao")
@@ -421,6 +421,22 @@ def test_fbgemm_int8_products_equal_int_mm_bit_for_bit_from_3_rows_and_at_dynami
         assert torch.equal(out, expected)
         # 2 static rows: dot products, where they apply (features a multiple of 4)
         assert (FBGEMM_OP in ops) == (dynamic_rows or rows >= 3 or features % 4 != 0), ops
+        assert "aten::_int_mm" not in ops
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("rows", [1, 2])
+def test_an_output_layers_int8_products_of_1_or_2_rows_run_on_fbgemm(rows):
+    # A weight of FBGEMM_MIN_OUTPUTS outputs (a vocabulary's output layer) at the rows of a decode step of 1-2
+    # sequences: FBGEMM's (faster there than the dot products), bit for bit `_int_mm`'s; one output fewer, dot products.
+    generator = torch.Generator().manual_seed(rows)
+    inputs = torch.randint(-128, 128, (rows, 512), generator=generator, dtype=torch.int8)
+    weight = torch.randint(-64, 64, (FBGEMM_MIN_OUTPUTS, 512), generator=generator, dtype=torch.int8)
+    for outputs, on_fbgemm in ((FBGEMM_MIN_OUTPUTS, True), (FBGEMM_MIN_OUTPUTS - 1, False)):
+        torch._dynamo.reset()
+        out, ops = compiled_int_mm(inputs, weight[:outputs], "fbgemm")
+        assert torch.equal(out, torch._int_mm(inputs, weight[:outputs].t()))
+        assert (FBGEMM_OP in ops) == on_fbgemm, ops
         assert "aten::_int_mm" not in ops
 
 

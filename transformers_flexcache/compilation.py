@@ -85,12 +85,12 @@ def compile_config_for_cpu(
             the CPU is not Intel's. On an AMD EPYC Zen 3 T5's step at batch 1 took 22 ms against oneDNN's 30.
         int8_linears (`str`, *optional*, defaults to `"auto"`): the int8 matrix multiplies of a model quantized with
             `quantize(model, "int8")`: `"fbgemm"` (FBGEMM's int8 GEMMs, exact on 7-bit weights:
-            `Int8FbgemmMatmuls`; decode steps of 1-2 rows as inductor's dot products), `"inductor"` (in graphs of at
-            most 8 rows, decode steps, dot products that inductor generates: `Int8DotProducts`; in graphs of dynamic
-            rows, the compiled encoder and projections, float32 GEMMs of the integers up to 128 positions a call:
-            `Int8FloatGemms`; both exact), `"library"` (oneDNN's int8 kernels), or `"auto"`: where the CPU has no
-            VNNI, where oneDNN's int8 kernels are slower than float32's, FBGEMM's (inductor's where torch has no
-            FBGEMM); elsewhere the library's.
+            `Int8FbgemmMatmuls`; decode steps of 1-2 rows as inductor's dot products, but their output layer),
+            `"inductor"` (in graphs of at most 8 rows, decode steps, dot products that inductor generates:
+            `Int8DotProducts`; in graphs of dynamic rows, the compiled encoder and projections, float32 GEMMs of
+            the integers up to 128 positions a call: `Int8FloatGemms`; both exact), `"library"` (oneDNN's int8
+            kernels), or `"auto"`: where the CPU has no VNNI, where oneDNN's int8 kernels are slower than float32's,
+            FBGEMM's (inductor's where torch has no FBGEMM); elsewhere the library's.
         encoder (`bool`, *optional*, defaults to `True`): under a padded or bucketed `flexible_static` policy (and in
             the serving engine), compile an encoder-decoder call's token encoder too, with dynamic shapes
             (`compiled_encoder.py`); upstream's generate runs it eagerly.

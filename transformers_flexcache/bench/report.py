@@ -519,7 +519,7 @@ def _isa_line(machine: dict) -> str:
     if bits and isa.get("int8_linears") == "inductor":
         int8 += ", its decode steps as inductor's dot products, its encoder as float32 GEMMs up to 128 positions"
     elif bits and isa.get("int8_linears") == "fbgemm":
-        int8 += ", on FBGEMM's int8 GEMMs (decode steps of 1-2 rows: inductor's dot products)"
+        int8 += ", on FBGEMM's int8 GEMMs (decode steps of 1-2 rows: inductor's dot products, but the output layer)"
     one_row = " (one-row graphs: inductor's dot products)" if isa.get("one_row_linears") == "inductor" else ""
     return (
         f"CPU: {isa.get('vendor') or '?'}, {flags}; torch {isa.get('torch_capability')}, {bf16}\n"

@@ -353,14 +353,40 @@ def test_padded_update_returns_the_whole_capacity_and_matches_dynamic_cache_wher
     assert flex.get_mask_sizes(1, 0) == (MAX_LEN, 0)
 
 
-def test_padded_reset_zeroes_the_storage_in_place():
-    cache = _cache(shape_policy="padded")
+# Per case: the updates (rows, new positions) and crops (a negative count) since the last reset.
+_WRITES_BEFORE_RESET = {
+    "one prefill": [(4, 10)],
+    "a smaller batch after a larger one": [(4, 3), (2, 1), (2, 1)],
+    "a crop rolled back positions": [(3, 9), -6, (3, 1)],
+    "two crops, the second after rewriting": [(2, 12), -10, (2, 5), -7],
+    "the whole capacity": [(4, MAX_LEN)],
+}
+
+
+def _storages(cache) -> list[torch.Tensor]:
+    return [tensor for layer in cache.layers for tensor in layer.storages()]
+
+
+@pytest.mark.parametrize("shape_policy", ["padded", "bucketed"])
+@pytest.mark.parametrize("writes", list(_WRITES_BEFORE_RESET.values()), ids=list(_WRITES_BEFORE_RESET))
+def test_padded_reset_zeroes_everything_written_in_place(shape_policy, writes):
+    # reset zeroes only the positions written since the last reset (below the longest live length, crops included):
+    # every storage must then hold zeros only, whatever rows, lengths and crops came before.
+    cache = _cache(shape_policy=shape_policy)
     pointers = cache.data_ptrs()
-    cache.update(*_kv(4, 10, seed=1), 0)
-    cache.reset()
-    assert cache.get_seq_length().item() == 0
-    assert not cache.get_kv(0, MAX_BATCH, MAX_LEN)[0].any()
-    assert cache.data_ptrs() == pointers
+    for call in range(2):  # the second round starts from a reset cache
+        for step, write in enumerate(writes):
+            for layer_idx in range(2):
+                if isinstance(write, int):
+                    cache.crop(write)
+                    continue
+                cache.update(*_kv(*write, seed=100 * call + 10 * step + layer_idx), layer_idx)
+        assert all(storage.any() for storage in _storages(cache)), "the case must have written every storage"
+        cache.reset()
+        assert cache.get_seq_length().item() == 0
+        for storage in _storages(cache):
+            assert not storage.any(), "reset left a written value in the storage"
+        assert cache.data_ptrs() == pointers
 
 
 @pytest.mark.parametrize(("shape_policy", "compileable"), [("exact", False), ("padded", True)])

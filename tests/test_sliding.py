@@ -74,6 +74,32 @@ def test_a_continuation_of_several_tokens_past_the_window_matches_upstream(shape
     _run_both(config, ours, theirs, batch_size=2, steps=[2, 3, 1, 5, 1], layer_idx=1)
 
 
+@pytest.mark.parametrize("shape_policy", ["padded", "bucketed"])
+@pytest.mark.parametrize(
+    "writes",
+    [[7, 1, 1], [2, 1], [3, -2, 1], [2, 1, -1, 1, 1, 1, 1]],
+    ids=["a prefill past the window", "within the window", "a crop", "full after a crop"],
+)
+def test_reset_of_a_fixed_shape_sliding_layer_zeroes_everything_written(shape_policy, writes):
+    # reset zeroes only the slots written since the last reset: they must then all hold zeros, whether the row
+    # filled the window (and shifted), stayed within it, or was cropped. `writes`: new tokens, or a crop (negative).
+    config = MISTRAL.build_config()
+    cache = FlexibleStaticCache(config=config, max_batch_size=3, max_cache_len=20, shape_policy=shape_policy)
+    assert all(isinstance(layer, FlexiblePaddedSlidingWindowLayer) for layer in cache.layers)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(2):  # the second round starts from a reset cache
+        for write in writes:
+            for layer_idx in range(len(cache.layers)):
+                if write < 0:
+                    cache.crop(write)
+                else:
+                    cache.update(*_states(config, 2, write, generator), layer_idx)
+        storages = [tensor for layer in cache.layers for tensor in layer.storages()]
+        assert all(storage.any() for storage in storages)
+        cache.reset()
+        assert not any(storage.any() for storage in storages), "reset left a written value in the storage"
+
+
 def test_hybrid_cache_holds_full_layers_at_max_cache_len_and_sliding_ones_at_the_window():
     config = QWEN2.build_config()  # layer 0 full attention, layer 1 a sliding window of 4
     cache = FlexibleStaticCache(config=config, max_batch_size=3, max_cache_len=20)

@@ -287,7 +287,7 @@ class FlexiblePaddedLayer(FlexibleStaticLayer):
         # that nothing non-finite left by an earlier call can turn a masked product into NaN (upstream zeroes too).
         written = self._written_positions()
         for storage in (self._key_storage, self._value_storage):
-            (storage if written == storage.shape[2] else storage[:, :, :written]).zero_()
+            storage[:, :, :written].zero_()
         self.cumulative_length.zero_()
         self._cropped_from = 0
         self.batch_size = 0

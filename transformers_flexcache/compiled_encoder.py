@@ -13,7 +13,8 @@ Design decisions:
   4, 8) it gained nothing at one row of 40 tokens (140 against 144 ms first token) and lost at 3 rows of 30 (270
   against 209 ms: 4 x 48 positions encoded); one dynamic graph: 48.7 against 65.7 ms (1 x 40), 82.2 against 97.7
   (3 x 30), 234 against 283 (8 x 40), outputs within 4e-6. Dynamo specializes a size of 1: a call of one row gets a
-  graph of its own (`warmup()` compiles both), and an input of one position runs eagerly (no third graph for it).
+  graph of its own (`warmup()` compiles both), and an input of one position runs eagerly (no third graph for it);
+  but a packed encoder (below) takes its rows unbacked, one graph for one row and for several.
 - Token inputs only (`input_ids`): Whisper's features, Pix2Struct's patches and given `inputs_embeds` stay eager, as
   do calls that ask for the encoder's attentions or hidden states, candidate decoding, continuations given
   `encoder_outputs`, models dispatched by accelerate (`device_map`) and tensor-parallel models.
@@ -200,14 +201,16 @@ class _PackedEncoder(torch.nn.Module):
         self.encoder, self.encode = encoder, encode
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, index: torch.Tensor):
+        # The rows are unbacked (`_PackedOrPlain._call`): two sizes that dynamo cannot compare unless told they agree.
+        torch._check(input_ids.shape[0] == attention_mask.shape[0])
         return self.encode(self.encoder, input_ids, attention_mask, index)
 
 
 class _PackedOrPlain:
-    """A model's compiled encoder. Where the model `packs_encoder` (`packed` is not None), a call of two rows or more
-    whose only arguments are its tokens and their attention mask (as generate's and the serving engine's) runs
-    `packed` on its real tokens (their positions found eagerly, `packing.real_positions`); any other call runs
-    `plain`, the encoder as it is.
+    """A model's compiled encoder. Where the model `packs_encoder` (`packed` is not None), a call of two real tokens
+    or more whose only arguments are its tokens and their attention mask (as generate's and the serving engine's)
+    runs `packed` on its real tokens (their positions found eagerly, `packing.real_positions`), its rows unbacked
+    (`unbacked_rows`): one graph for one row and for several; any other call runs `plain`, the encoder as it is.
 
     Dynamo's duck sizing is off for both: with it, a first call whose rows, length or number of real tokens are
     equal (the serving engine's warm-up of 2 rows of 2 tokens) compiles a graph for such calls only, and the next
@@ -234,14 +237,24 @@ class _PackedOrPlain:
             and isinstance(attention_mask, torch.Tensor)
             and input_ids.dim() == 2
             and attention_mask.shape == input_ids.shape
-            and input_ids.shape[0] > 1
             and not self.encoder.training
         ):
             return self.plain(**kwargs)
         index = real_positions(attention_mask)
         if index.numel() < 2:  # dynamo would give 0 or 1 real tokens a graph of their own
             return self.plain(**kwargs)
-        return self.packed(input_ids, attention_mask, index)
+        return self.packed(*unbacked_rows(input_ids, attention_mask), index)
+
+
+def unbacked_rows(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`tensors` as new tensors on the same memory whose first dimension (their rows) is unbacked for dynamo
+    (`mark_unbacked`): a compiled graph then holds for any number of rows, one included, where a dynamic size of 1
+    would be specialized into a graph of its own. New tensors, so that the caller's stay unmarked (a mark would
+    follow them into the user's own compiled functions); detached, not views, whose base dynamo would guard on."""
+    aliases = tuple(tensor.detach() for tensor in tensors)
+    for alias in aliases:
+        torch._dynamo.decorators.mark_unbacked(alias, 0)
+    return aliases
 
 
 def cross_attention_projector(model, compile_config: CompileConfig | None, projections: list):
@@ -314,7 +327,8 @@ class _ByRows:
 
 def encoder_graph(batch: int, positions: int, *, int8_variants: bool) -> tuple[bool, str]:
     """Which graph of the compiled encoder (and cross-attention projections) a call of `batch` rows of `positions`
-    runs: `(one row, kind)`, dynamo compiling a single row apart; `kind` is `"library"` for an int8 model's calls of
+    runs: `(one row, kind)`, dynamo compiling a single row apart (but for a packed encoder, whose rows are unbacked:
+    there the two share one graph); `kind` is `"library"` for an int8 model's calls of
     2 rows or more and more than `INT8_FLOAT_GEMM_MAX_ROWS` positions in all (`int8_variants`: oneDNN's int8
     linears), else `"float_gemms"` (its config's own kernels)."""
     library = int8_variants and batch > 1 and batch * positions > INT8_FLOAT_GEMM_MAX_ROWS

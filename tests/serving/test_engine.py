@@ -470,7 +470,7 @@ def test_a_compiled_encoder_is_warmed_up_with_the_decode_step_and_serves_the_str
             outputs = [handle.result(timeout=TIMEOUT) for handle in handles]
     finally:
         torch._dynamo.reset()
-    assert warm == 1 + 2  # the decode step, the encoder for one row and for several
+    assert warm == 1 + 1  # the decode step; the encoder, one graph for one row and several (T5's packs, rows unbacked)
     assert counter.frame_count == warm  # no request paid a compile
     for want, got in zip(expected, outputs, strict=True):
         assert_same_output(want, got)

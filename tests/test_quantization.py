@@ -174,8 +174,9 @@ def t5_projection(model):
 
 def test_a_compiled_int8_call_projects_cross_attention_in_graphs_of_their_own():
     # torchao's eager int8 linear recomputes row sums at every call: where the encoder compiles, the first decoder
-    # step's cross-attention projections run compiled too, in one graph with dynamic shapes (one for a single row, one
-    # for more), and none runs as Python. The tracing backend runs the graphs as traced: scores against eager int8.
+    # step's cross-attention projections run compiled too, in one graph with dynamic shapes (its rows unbacked: one for
+    # a single row and more), and none runs as Python. The tracing backend runs the graphs as traced: scores against
+    # eager int8.
     upstream, flex = quantized_pair(T5)
     counter = CompileCounter()
     compile_config = counting_compile_config(counter, FlexCompileConfig)
@@ -197,9 +198,8 @@ def test_a_compiled_int8_call_projects_cross_attention_in_graphs_of_their_own():
             )
         assert calls == [], (batch_size, length)
         assert_int8_scores(expected, actual)
-    # the decode step; the encoder (its rows unbacked: one graph for a single row and more); the projections, 1 row
-    # and more
-    assert counter.frame_count == 1 + 1 + 2
+    # the decode step; the encoder and the projections (their rows unbacked: one graph each for a single row and more)
+    assert counter.frame_count == 1 + 1 + 1
 
 
 def test_float32_cross_attention_projections_stay_eager():
@@ -240,7 +240,7 @@ def test_a_compiled_engine_projects_int8_requests_cross_attention_in_its_warmed_
             warm = counter.frame_count
             handles = [engine.submit(**inputs, **common) for inputs in stream]
             outputs = [handle.result(timeout=120) for handle in handles]
-    assert warm == 1 + 1 + 2  # the decode step; the encoder (every rows); the projections, 1 row and more
+    assert warm == 1 + 1 + 1  # the decode step; the encoder and the projections (every rows)
     assert counter.frame_count == warm and calls == []
     for want, got in zip(expected, outputs, strict=True):
         assert_int8_tokens(want, got)
@@ -288,8 +288,7 @@ def test_an_int8_encoder_runs_float_gemms_up_to_128_positions_and_the_library_s_
 
 def test_warmups_compile_both_kernels_of_an_int8_encoder_so_that_no_call_compiles():
     # generate's warmup() and the engine's: the int8 encoder's graphs of float GEMMs (any rows) and of the library's
-    # kernels (many positions), and the projections' of one row, several and many positions, wherever the capacities
-    # reach them.
+    # kernels (many positions), and the projections' alike, wherever the capacities reach them.
     from transformers_flexcache import warmup
     from transformers_flexcache.serving import Engine
 
@@ -306,9 +305,8 @@ def test_warmups_compile_both_kernels_of_an_int8_encoder_so_that_no_call_compile
         compile_config=compile_config,
         **common,
     )
-    # the decode step; the encoder: up to 128 positions (one row or more), and more; the projections: one row, up
-    # to 128 positions, and more
-    assert sorted(compiled) == ["float_gemms"] * 4 + ["library"] * 2
+    # the decode step; the encoder and the projections: up to 128 positions (one row or more), and more
+    assert sorted(compiled) == ["float_gemms"] * 3 + ["library"] * 2
     # cut from the padded rows and positions (a single row of 39: strides of 40), and not
     for batch, positions in [(1, 39), (4, 36), (3, 10), (2, 2), (4, 40)]:
         inputs = T5.make_inputs(batch, positions, generator)
@@ -316,15 +314,15 @@ def test_warmups_compile_both_kernels_of_an_int8_encoder_so_that_no_call_compile
             upstream, flex, inputs, cache_config=config, compile_config=compile_config, **common
         )
         assert_int8_scores(expected, actual)
-    assert len(compiled) == 6, compiled
+    assert len(compiled) == 5, compiled
     torch._dynamo.reset()
     compiled.clear()
     with Engine(flex, cache_config=config, compile_config=compile_config) as engine:
         engine.warmup()
-        assert sorted(compiled) == ["float_gemms"] * 4 + ["library"] * 2
+        assert sorted(compiled) == ["float_gemms"] * 3 + ["library"] * 2
         stream = [T5.make_inputs(1, 36 + i, generator) for i in range(4)]
         outputs = [handle.result(timeout=120) for handle in [engine.submit(**inputs, **common) for inputs in stream]]
-    assert len(compiled) == 6  # no request compiled
+    assert len(compiled) == 5  # no request compiled
     for inputs, got in zip(stream, outputs, strict=True):
         assert_int8_tokens(
             upstream.generate(**inputs, **common, output_scores=True, return_dict_in_generate=True), got

@@ -236,9 +236,8 @@ def warmup(
 def _encoder_shapes(model, shapes: list, compile_config) -> list:
     """The calls that compile the encoder graphs the shapes leave out: a compiled encoder (`compiled_encoder.py`) runs
     at the call's own rows and length with dynamic shapes: one graph for a single row (where the encoder does not
-    pack: a packed one runs it in the graph of several; an int8 model's projections still have one), one for more,
-    and for an int8
-    model one more for many (`compiled_encoder.encoder_graph`). Each shape's call ran at its bucket's rows and
+    pack: a packed one, and an int8 model's projections, run it in the graph of several), one for more, and for an
+    int8 model one more for many (`compiled_encoder.encoder_graph`). Each shape's call ran at its bucket's rows and
     length (the capacities always among them); a graph none of them reached gets a call of its own."""
     if not shapes:
         return []

@@ -36,7 +36,9 @@ Design decisions:
   eager int8 linear recomputes each weight's row sums at every call: measured (t5-small-sized T5, one thread, AMD
   EPYC Zen 3), the 6 layers' projections took 8.3 ms compiled against 89.8 eager at 1 x 40 encoder positions, 10.9
   against 252 at 4 x 30, 18.3 against 666 at 8 x 40. In float32 compiling them gained nothing (4.2 against 3.9 ms at
-  1 x 40, 24.8 against 22.8 at 8 x 40): they stay eager.
+  1 x 40, 24.8 against 22.8 at 8 x 40): they stay eager. Their rows are unbacked, as a packed encoder's: one graph
+  for a single row and several (`_CrossAttentionProjections.forward`; its compile saved: 26.3 against 16.3 s for
+  the warm-up's calls, on that T5 and CPU).
 - On a CPU without VNNI an int8 model's encoder side runs FBGEMM's int8 GEMMs (`compile_config_for_cpu(int8_linears=
   "auto")`, `linear_kernels.Int8FbgemmMatmuls`), one compile for every size. Under `int8_linears="inductor"` it is
   compiled twice: with its int8 matrix multiplies as exact float32 GEMMs (`linear_kernels.Int8FloatGemms`) and with
@@ -276,8 +278,9 @@ def cross_attention_projector(model, compile_config: CompileConfig | None, proje
         if compiled is not None and states.shape[1] > 1:
             # Fresh and dense: dynamo guards a view's base and strides, and the states may be a cut of padded ones.
             # No duck sizing, as for the encoder (`_PackedOrPlain`): 2 rows of 2 positions would compile for those.
+            # Rows unbacked: one graph for a single row and for several (`_CrossAttentionProjections.forward`).
             with fx_config.patch(use_duck_shape=False):
-                return compiled(states.clone(memory_format=torch.contiguous_format))
+                return compiled(*unbacked_rows(states.clone(memory_format=torch.contiguous_format)))
         return [project_kv(states) for project_kv in projections]
 
     return project
@@ -292,7 +295,25 @@ class _CrossAttentionProjections(torch.nn.Module):
         self.attentions = torch.nn.ModuleList(project_kv.__self__ for project_kv in projections)
 
     def forward(self, states: torch.Tensor) -> list:
-        return [attention._flex_project_kv(states) for attention in self.attentions]
+        # states [B, L, d], B unbacked (`cross_attention_projector`), L > 1 -> per layer (keys, values) [B, H, L, D].
+        # torchao's per-token quantization asks whether the rows it is given are 1, which an unbacked size cannot
+        # answer: the states go in as one row of B x L positions (each position is quantized on its own, the same
+        # values), a size that the checks below bound to 2 or more; each projection comes back as B rows of L.
+        rows, positions, width = states.shape
+        torch._check(rows >= 1)
+        torch._check(positions >= 2)
+        flat = states.reshape(1, rows * positions, width)
+        projected = []
+        for attention in self.attentions:
+            keys, values = attention._flex_project_kv(flat)  # [1, H, B x L, D]: views of [1, B x L, H, D]
+            heads, head_dim = keys.shape[1], keys.shape[3]
+            projected.append(
+                tuple(
+                    part.transpose(1, 2).reshape(rows, positions, heads, head_dim).transpose(1, 2)
+                    for part in (keys, values)
+                )
+            )
+        return projected
 
 
 def _compiled_once(table: weakref.WeakKeyDictionary, model, compile_config: CompileConfig, module, shape_of):
@@ -327,8 +348,8 @@ class _ByRows:
 
 def encoder_graph(batch: int, positions: int, *, int8_variants: bool) -> tuple[bool, str]:
     """Which graph of the compiled encoder (and cross-attention projections) a call of `batch` rows of `positions`
-    runs: `(one row, kind)`, dynamo compiling a single row apart (but for a packed encoder, whose rows are unbacked:
-    there the two share one graph); `kind` is `"library"` for an int8 model's calls of
+    runs: `(one row, kind)`, dynamo compiling a single row apart (but for a packed encoder and an int8 model's
+    projections, whose rows are unbacked: there the two share one graph); `kind` is `"library"` for an int8 model's calls of
     2 rows or more and more than `INT8_FLOAT_GEMM_MAX_ROWS` positions in all (`int8_variants`: oneDNN's int8
     linears), else `"float_gemms"` (its config's own kernels)."""
     library = int8_variants and batch > 1 and batch * positions > INT8_FLOAT_GEMM_MAX_ROWS

@@ -349,8 +349,8 @@ class _ByRows:
 def encoder_graph(batch: int, positions: int, *, int8_variants: bool) -> tuple[bool, str]:
     """Which graph of the compiled encoder (and cross-attention projections) a call of `batch` rows of `positions`
     runs: `(one row, kind)`, dynamo compiling a single row apart (but for a packed encoder and an int8 model's
-    projections, whose rows are unbacked: there the two share one graph); `kind` is `"library"` for an int8 model's calls of
-    2 rows or more and more than `INT8_FLOAT_GEMM_MAX_ROWS` positions in all (`int8_variants`: oneDNN's int8
+    projections, whose rows are unbacked: there the two share one graph); `kind` is `"library"` for an int8 model's
+    calls of 2 rows or more and more than `INT8_FLOAT_GEMM_MAX_ROWS` positions in all (`int8_variants`: oneDNN's int8
     linears), else `"float_gemms"` (its config's own kernels)."""
     library = int8_variants and batch > 1 and batch * positions > INT8_FLOAT_GEMM_MAX_ROWS
     return batch == 1, "library" if library else "float_gemms"

@@ -345,8 +345,9 @@ class Engine:
             with explained_recompile_limit(len(shapes)):
                 for span, window, cross_window in shapes:
                     steps.run_dummy_decode(self, span, window, cross_window)
-                # the compiled encoder's graphs: a single row (a graph of its own where the encoder does not pack),
-                # several rows, and an int8 model's library kernels for many (`compiled_encoder.encoder_graph`)
+                # the compiled encoder's graphs: a single row (a graph of its own where the encoder does not pack;
+                # an int8 model's projections share one), several rows, and an int8 model's library kernels for many
+                # (`compiled_encoder.encoder_graph`)
                 for rows, positions in encoder_warmup_calls(
                     self.model, self.compile_config, self.max_batch_size, self.max_encoder_len
                 ):

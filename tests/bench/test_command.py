@@ -317,3 +317,47 @@ def test_quick_bench_freezes_the_collectors_heap_for_the_stream_only(quick_run, 
     assert seen[0] == 0 and all(count > 0 for count in seen[1:3]) and seen[3:] == [0, 0, 0]
     assert json.loads((tmp_path / "b.json").read_text())["models"]["t5"]["gc"]["frozen_objects"] == 0
     assert gc.get_freeze_count() == 0
+
+
+def test_a_call_that_compiled_during_the_stream_has_its_objects_frozen_too_outside_the_counted_collections(
+    monkeypatch, tmp_path
+):
+    # A compile leaves new objects that later full collections would walk during other strategies' calls; the
+    # stream freezes the heap again after such a call, and its own collection is not counted as the stream's.
+    from transformers_flexcache.bench import model_run
+    from transformers_flexcache.bench.torch_runner import TorchRunner
+
+    marked, frozen_again, full = [], [], []
+    run, freeze_heap = TorchRunner.run, model_run.freeze_heap
+
+    def run_marking_the_streams_first_call_as_compiled(self, *args, **kwargs):
+        record = run(self, *args, **kwargs)
+        if gc.get_freeze_count() and not marked:  # a stream call (the warm-up runs unfrozen)
+            marked.append(self.name)
+            record.compiled_graphs = 1
+        return record
+
+    def counted_freeze_heap():
+        frozen_again.append(gc.get_freeze_count())
+        return freeze_heap()
+
+    def full_collections(phase, info):  # (while the heap is frozen: the stream, inside the refreezing)
+        if phase == "stop" and info["generation"] == 2 and gc.get_freeze_count():
+            full.append(len(frozen_again) > len(full) and "refreezing" or "stream")
+
+    monkeypatch.setattr(TorchRunner, "run", run_marking_the_streams_first_call_as_compiled)
+    monkeypatch.setattr(model_run, "freeze_heap", counted_freeze_heap)
+    args = ["bench", "--quick", "--models", "t5", "--calls", "2", "--strategies", "dynamic", "--no-ctranslate2"]
+    printed = io.StringIO()
+    gc.callbacks.append(full_collections)
+    try:
+        with contextlib.redirect_stdout(printed):
+            assert main([*args, "--threads", "1", "--no-progress", "--json", str(tmp_path / "a.json")]) == 0
+    finally:
+        gc.callbacks.remove(full_collections)
+    figures = json.loads((tmp_path / "a.json").read_text())["models"]["t5"]["gc"]
+    assert len(marked) == 1 and len(frozen_again) == 1 and frozen_again[0] > 0  # once, while frozen
+    assert figures["refrozen"] == 1 and "(again after 1 call(s) that compiled)" in printed.getvalue()
+    # freeze_heap() collects in full: seen, and not counted among the stream's collections
+    assert full.count("refreezing") == 1 and figures["full"] == full.count("stream")
+    assert gc.get_freeze_count() == 0

@@ -19,8 +19,12 @@ Design decisions:
   rows the bytes of an int8 step (int8 data and scales of the linears, the rest in float).
 - The garbage collector's heap is frozen for the timed stream, after the warm-ups (`gc_heap.frozen_heap`), as a
   server freezes it after its start (`serve` does): else a full collection over the compiled graphs (0.1-1 s) lands
-  on whichever call runs then. The collections seen during the stream are reported (`gc`), `--no-gc-freeze` runs
-  it unfrozen.
+  on whichever call runs then. A call that compiles during the stream (upstream's static-compiled compiles its
+  dynamic-shape graphs on the stream's first calls of new shapes) leaves hundreds of thousands of new objects that
+  would make later full collections walk them again (0.3-0.4 s each: 11 of them, 2.9 s in all, in T5's default
+  stream on an AMD EPYC Zen 3), landing on whichever strategy's call ran then: the heap is frozen again after such a
+  call, outside its timing (`refrozen`). The collections seen during the stream's calls are reported (`gc`; the
+  refreezing's own collections are not counted), `--no-gc-freeze` runs it unfrozen.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..gc_heap import Collections, frozen_heap
+from ..gc_heap import Collections, freeze_heap, frozen_heap
 from ..quantization import quantize
 from .executorch import OURS as EXECUTORCH
 from .measure import CallRecord, DecodeStepBytes, ratios, same_prefix_score_diff, summarize
@@ -280,12 +284,20 @@ def run_model(model: BenchModel, args, strategies: list[Strategy], log) -> Model
 
     progress = _progress(result.stream, model.name, args.no_progress)
     frozen = contextlib.nullcontext(0) if args.no_gc_freeze else frozen_heap()
+    refrozen = 0
     with frozen as frozen_objects, Collections() as collections:
         for index, call in enumerate(progress):
             inputs = model.make_inputs(config, call.batch_size, call.length, generator)
             order = runners[index % len(runners) :] + runners[: index % len(runners)]
-            result.add_call({runner.name: runner.run(inputs, args.new_tokens) for runner in order})
-    result.gc = {"frozen_objects": frozen_objects, **collections.summary()}
+            records = {}
+            for runner in order:
+                records[runner.name] = record = runner.run(inputs, args.new_tokens)
+                if frozen_objects and (record.compiled_graphs or record.compile_s):
+                    with collections.paused():  # what that compile left, frozen too (see the module docstring)
+                        freeze_heap()
+                    refrozen += 1
+            result.add_call(records)
+    result.gc = {"frozen_objects": frozen_objects, "refrozen": refrozen, **collections.summary()}
 
     result.decode_step_bytes = _decode_step_bytes(model, upstream, result, generator, args.device)
     if int8:

@@ -156,6 +156,35 @@ def test_one_row_pass_runs_linears_of_one_row_as_inductor_s_dot_products_and_oth
     assert ("mkldnn::_linear_pointwise" in ops) == (rows > 1)
 
 
+def test_one_row_dot_products_read_their_input_stored_once_not_recomputed_for_every_output():
+    # Inductor would fuse the norm that makes a linear's input into the dot products and redo it for every output
+    # (T5's output layer: six vector loads and a dozen operations per eight weights); the pass stores it first.
+    from torch._inductor.utils import run_and_get_code
+
+    class NormThenLinear(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.rand(64) + 0.5)
+            self.linear = torch.nn.Linear(64, 96, bias=False)
+
+        def forward(self, hidden, residual):
+            hidden = hidden + residual
+            return self.linear(self.weight * hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+    torch.manual_seed(0)
+    model, inputs = NormThenLinear().eval(), (torch.randn(1, 64), torch.randn(1, 64))
+    config = compile_config_for_cpu(linear_kernels="onednn", one_row_linears="inductor")
+    with torch.no_grad(), compile_settings(config):
+        compiled = torch.compile(model, backend="inductor", dynamic=False, options=config.options)
+        actual, (code,) = run_and_get_code(compiled, *inputs)
+    torch.testing.assert_close(actual, model(*inputs))
+    # the C++ loop over the 96 outputs: a dot product of the stored input and the weight's row, no norm inside
+    loops = [part for part in code.split("for(int64_t x0=") if part.split(";")[1].strip().endswith("(96L)")]
+    assert len(loops) == 1 and "tmp_acc0_vec" in loops[0]
+    dot_product = loops[0].split("= static_cast<float>(tmp_acc0);")[0]  # up to the store of each output
+    assert "sqrt" not in dot_product and dot_product.count("::loadu(") == 2  # the stored input and the weight
+
+
 @pytest.mark.parametrize(
     ("vendor", "expected"), [("GenuineIntel", "mkl"), ("AuthenticAMD", "onednn"), (None, "onednn")]
 )

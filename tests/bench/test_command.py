@@ -319,34 +319,31 @@ def test_quick_bench_freezes_the_collectors_heap_for_the_stream_only(quick_run, 
     assert gc.get_freeze_count() == 0
 
 
-def test_a_call_that_compiled_during_the_stream_has_its_objects_frozen_too_outside_the_counted_collections(
+def test_each_stream_call_starts_from_a_frozen_heap_and_the_freezing_s_collections_are_not_counted(
     monkeypatch, tmp_path
 ):
-    # A compile leaves new objects that later full collections would walk during other strategies' calls; the
-    # stream freezes the heap again after such a call, and its own collection is not counted as the stream's.
+    # What earlier calls left (a compile during the stream, other strategies' objects) would be walked by full
+    # collections falling in a later call; the stream collects and freezes before each call, outside the count.
     from transformers_flexcache.bench import model_run
     from transformers_flexcache.bench.torch_runner import TorchRunner
 
-    marked, frozen_again, full = [], [], []
+    events, full = [], []
     run, freeze_heap = TorchRunner.run, model_run.freeze_heap
 
-    def run_marking_the_streams_first_call_as_compiled(self, *args, **kwargs):
-        record = run(self, *args, **kwargs)
-        if gc.get_freeze_count() and not marked:  # a stream call (the warm-up runs unfrozen)
-            marked.append(self.name)
-            record.compiled_graphs = 1
-        return record
+    def noted_run(self, *args, **kwargs):
+        events.append(("run", gc.get_freeze_count()))
+        return run(self, *args, **kwargs)
 
-    def counted_freeze_heap():
-        frozen_again.append(gc.get_freeze_count())
+    def noted_freeze_heap():
+        events.append(("freeze", gc.get_freeze_count()))
         return freeze_heap()
 
-    def full_collections(phase, info):  # (while the heap is frozen: the stream, inside the refreezing)
+    def full_collections(phase, info):  # while the heap is frozen: in the stream's calls, or the freezing's own
         if phase == "stop" and info["generation"] == 2 and gc.get_freeze_count():
-            full.append(len(frozen_again) > len(full) and "refreezing" or "stream")
+            full.append(events[-1][0])
 
-    monkeypatch.setattr(TorchRunner, "run", run_marking_the_streams_first_call_as_compiled)
-    monkeypatch.setattr(model_run, "freeze_heap", counted_freeze_heap)
+    monkeypatch.setattr(TorchRunner, "run", noted_run)
+    monkeypatch.setattr(model_run, "freeze_heap", noted_freeze_heap)
     args = ["bench", "--quick", "--models", "t5", "--calls", "2", "--strategies", "dynamic", "--no-ctranslate2"]
     printed = io.StringIO()
     gc.callbacks.append(full_collections)
@@ -356,8 +353,9 @@ def test_a_call_that_compiled_during_the_stream_has_its_objects_frozen_too_outsi
     finally:
         gc.callbacks.remove(full_collections)
     figures = json.loads((tmp_path / "a.json").read_text())["models"]["t5"]["gc"]
-    assert len(marked) == 1 and len(frozen_again) == 1 and frozen_again[0] > 0  # once, while frozen
-    assert figures["refrozen"] == 1 and "(again after 1 call(s) that compiled)" in printed.getvalue()
+    stream = [kind for kind, frozen in events if frozen]  # the warm-up runs unfrozen
+    assert stream == ["freeze", "run"] * 2 and figures["before_each_call"] is True  # 2 calls x 1 strategy
+    assert "frozen, again before each call" in printed.getvalue()
     # freeze_heap() collects in full: seen, and not counted among the stream's collections
-    assert full.count("refreezing") == 1 and figures["full"] == full.count("stream")
+    assert full.count("freeze") == 2 and figures["full"] == full.count("run")
     assert gc.get_freeze_count() == 0

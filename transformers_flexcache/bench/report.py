@@ -570,8 +570,8 @@ def format_model(name: str, model: dict, *, bandwidth: float | None = None) -> s
 
 def gc_line(figures: dict, during: str = "the stream") -> str:
     """The collector's figures (`{"frozen_objects": n, **gc_heap.Collections.summary()}`) as one line."""
-    frozen, refrozen = figures["frozen_objects"], figures.get("refrozen", 0)
-    again = f" (again after {refrozen} call(s) that compiled)" if refrozen else ""
+    frozen = figures["frozen_objects"]
+    again = ", again before each call" if figures.get("before_each_call") else ""
     return (
         f"garbage collector during {during}: "
         f"{f'{frozen} objects frozen{again}' if frozen else 'not frozen (--no-gc-freeze)'}"

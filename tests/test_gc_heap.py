@@ -46,3 +46,17 @@ def test_collections_paused_records_nothing_in_its_block_and_records_again_after
             gc.collect(1)
         gc.collect()
     assert [generation for generation, _ in pauses.seen] == [0, 2]
+
+
+def test_collections_during_a_compile_are_recorded_apart():
+    from torch._guards import CompileContext, CompileId, compile_context
+
+    with Collections() as pauses:
+        gc.collect()
+        with compile_context(CompileContext(CompileId(frame_id=0, frame_compile_id=0))):
+            gc.collect()
+            gc.collect(0)
+    assert [generation for generation, _ in pauses.seen] == [2]
+    assert [generation for generation, _ in pauses.compiling] == [2, 0]
+    summary = pauses.summary()
+    assert summary["full"] == 1 and summary["compiling"]["collections"] == 2 and summary["compiling"]["full"] == 1

@@ -21,6 +21,8 @@ import contextlib
 import gc
 import time
 
+from torch._guards import CompileContext
+
 
 def freeze_heap() -> int:
     """Collect, then freeze every object alive (`gc.freeze()`); returns how many objects are frozen."""
@@ -42,17 +44,23 @@ def frozen_heap():
 
 class Collections:
     """Records the collector's pauses while open (`with Collections() as pauses:`): `pauses.seen` holds
-    `(generation, seconds)` for every collection in that time, in every thread."""
+    `(generation, seconds)` for every collection in that time, in every thread, and `pauses.compiling` those that
+    ran while torch compiled a graph (`CompileContext`: dynamo's tracing and inductor's compile, whose
+    objects they walk), apart: a benchmark takes compile time out of its timings, and its collections with it."""
 
     def __init__(self):
         self.seen: list[tuple[int, float]] = []
+        self.compiling: list[tuple[int, float]] = []
         self._started: float | None = None
+        self._in_compile = False
 
     def _callback(self, phase: str, info: dict) -> None:
         if phase == "start":
             self._started = time.perf_counter()
+            self._in_compile = CompileContext.current_compile_id() is not None
         elif self._started is not None:
-            self.seen.append((info["generation"], time.perf_counter() - self._started))
+            pause = (info["generation"], time.perf_counter() - self._started)
+            (self.compiling if self._in_compile else self.seen).append(pause)
             self._started = None
 
     def __enter__(self) -> Collections:
@@ -73,10 +81,15 @@ class Collections:
             gc.callbacks.append(self._callback)
 
     def summary(self) -> dict:
-        """`{"collections": n, "full": n, "longest_ms": ms, "total_ms": ms}` of what was seen."""
-        return {
-            "collections": len(self.seen),
-            "full": sum(1 for generation, _ in self.seen if generation == 2),
-            "longest_ms": 1e3 * max((seconds for _, seconds in self.seen), default=0.0),
-            "total_ms": 1e3 * sum(seconds for _, seconds in self.seen),
-        }
+        """`{"collections": n, "full": n, "longest_ms": ms, "total_ms": ms}` of what was seen outside compiles, and
+        `{"compiling": {the same}}` of those during them."""
+        return {**_figures(self.seen), "compiling": _figures(self.compiling)}
+
+
+def _figures(pauses: list[tuple[int, float]]) -> dict:
+    return {
+        "collections": len(pauses),
+        "full": sum(1 for generation, _ in pauses if generation == 2),
+        "longest_ms": 1e3 * max((seconds for _, seconds in pauses), default=0.0),
+        "total_ms": 1e3 * sum(seconds for _, seconds in pauses),
+    }

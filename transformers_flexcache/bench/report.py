@@ -576,7 +576,17 @@ def gc_line(figures: dict, during: str = "the stream") -> str:
         f"garbage collector during {during}: "
         f"{f'{frozen} objects frozen{again}' if frozen else 'not frozen (--no-gc-freeze)'}"
         f", {figures['collections']} collections ({figures['full']} full), longest {figures['longest_ms']:.1f} ms, "
-        f"{figures['total_ms']:.0f} ms in all"
+        f"{figures['total_ms']:.0f} ms in all{_compiling(figures.get('compiling'))}"
+    )
+
+
+def _compiling(figures: dict | None) -> str:
+    """The collections during compiles (taken out of the timings with the compile), when there were any."""
+    if not figures or not figures["collections"]:
+        return ""
+    return (
+        f"; during compiles (out of the timings): {figures['collections']} ({figures['full']} full), "
+        f"{figures['total_ms']:.0f} ms"
     )
 
 

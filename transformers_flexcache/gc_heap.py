@@ -70,16 +70,6 @@ class Collections:
     def __exit__(self, *exc) -> None:
         gc.callbacks.remove(self._callback)
 
-    @contextlib.contextmanager
-    def paused(self):
-        """Collections in this block are not recorded (the caller's own, e.g. `freeze_heap()`'s)."""
-        gc.callbacks.remove(self._callback)
-        try:
-            yield
-        finally:
-            self._started = None
-            gc.callbacks.append(self._callback)
-
     def summary(self) -> dict:
         """`{"collections": n, "full": n, "longest_ms": ms, "total_ms": ms}` of what was seen outside compiles, and
         `{"compiling": {the same}}` of those during them."""

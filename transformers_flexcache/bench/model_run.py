@@ -19,14 +19,10 @@ Design decisions:
   rows the bytes of an int8 step (int8 data and scales of the linears, the rest in float).
 - The garbage collector's heap is frozen for the timed stream, after the warm-ups (`gc_heap.frozen_heap`), as a
   server freezes it after its start (`serve` does): else a full collection over the compiled graphs (0.1-1 s) lands
-  on whichever call runs then. And again before each call of the stream, outside its timing: what the calls before
-  it left (a compile during the stream: upstream's static-compiled compiles its dynamic-shape graphs on the stream's
-  first calls of new shapes; objects that other strategies keep or leave in cycles) would otherwise be walked by the
-  full collections that fall in a later call, whichever strategy's it is (frozen after the warm-ups only: 11 full
-  collections in T5's default stream on an AMD EPYC Zen 3, the longest 0.39 s, 2.9 s in all; 11 again, the longest
-  0.22 s, with the heap frozen again only after the two calls that compiled). So a collection inside a call walks
-  what that call made. The collections seen inside the stream's calls are reported (`gc`; the freezing's own are
-  not counted), `--no-gc-freeze` runs it unfrozen.
+  on whichever call runs then. The collections seen during the stream are reported (`gc`), those that ran while
+  torch compiled apart (`gc_heap.Collections`: their time leaves the timings with the compile's; upstream's
+  static-compiled compiles during the stream; in a quick run of it every collection of the stream ran in such a
+  compile), `--no-gc-freeze` runs it unfrozen.
 """
 
 from __future__ import annotations
@@ -40,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..gc_heap import Collections, freeze_heap, frozen_heap
+from ..gc_heap import Collections, frozen_heap
 from ..quantization import quantize
 from .executorch import OURS as EXECUTORCH
 from .measure import CallRecord, DecodeStepBytes, ratios, same_prefix_score_diff, summarize
@@ -290,14 +286,8 @@ def run_model(model: BenchModel, args, strategies: list[Strategy], log) -> Model
         for index, call in enumerate(progress):
             inputs = model.make_inputs(config, call.batch_size, call.length, generator)
             order = runners[index % len(runners) :] + runners[: index % len(runners)]
-            records = {}
-            for runner in order:
-                if frozen_objects:
-                    with collections.paused():  # what the calls before left, frozen too (see the module docstring)
-                        freeze_heap()
-                records[runner.name] = runner.run(inputs, args.new_tokens)
-            result.add_call(records)
-    result.gc = {"frozen_objects": frozen_objects, "before_each_call": bool(frozen_objects), **collections.summary()}
+            result.add_call({runner.name: runner.run(inputs, args.new_tokens) for runner in order})
+    result.gc = {"frozen_objects": frozen_objects, **collections.summary()}
 
     result.decode_step_bytes = _decode_step_bytes(model, upstream, result, generator, args.device)
     if int8:

@@ -571,10 +571,8 @@ def format_model(name: str, model: dict, *, bandwidth: float | None = None) -> s
 def gc_line(figures: dict, during: str = "the stream") -> str:
     """The collector's figures (`{"frozen_objects": n, **gc_heap.Collections.summary()}`) as one line."""
     frozen = figures["frozen_objects"]
-    again = ", again before each call" if figures.get("before_each_call") else ""
     return (
-        f"garbage collector during {during}: "
-        f"{f'{frozen} objects frozen{again}' if frozen else 'not frozen (--no-gc-freeze)'}"
+        f"garbage collector during {during}: {f'{frozen} objects frozen' if frozen else 'not frozen (--no-gc-freeze)'}"
         f", {figures['collections']} collections ({figures['full']} full), longest {figures['longest_ms']:.1f} ms, "
         f"{figures['total_ms']:.0f} ms in all{_compiling(figures.get('compiling'))}"
     )

@@ -205,6 +205,42 @@ def test_onednn_pass_runs_the_frozen_linears_on_onednn_with_the_eager_outputs():
     assert "mkldnn::_linear_pointwise" in ops and "mkl::_mkl_linear" not in ops
 
 
+def test_graphs_of_different_rows_share_one_onednn_copy_of_each_weight_packed_anew_once_it_changes(monkeypatch):
+    # Each frozen graph held a packed copy of every weight of its own: a model compiled at several shapes held as many
+    # copies of its weights as graphs. One copy now serves all graphs of several rows; a changed weight is repacked.
+    shared = linear_kernels.SharedOneDNNWeights()
+    monkeypatch.setattr(linear_kernels, "ONEDNN_WEIGHTS", shared)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8, bias=False)).eval()
+    config = compile_config_for_cpu(linear_kernels="onednn", one_row_linears="library", int8_linears="library")
+    with torch.no_grad(), compile_settings(config):
+        compiled = torch.compile(model, backend="inductor", dynamic=False, options=config.options)
+        for rows in (2, 3):  # two graphs
+            inputs = torch.randn(rows, 16)
+            torch.testing.assert_close(compiled(inputs), model(inputs))
+        assert shared.packs == len(shared) == 2  # one copy per weight, not per graph
+        model[2].weight.mul_(-1)  # in place: the same storage, new values
+        inputs = torch.randn(4, 16)  # a third graph, frozen on the new values
+        torch.testing.assert_close(compiled(inputs), model(inputs))
+        assert shared.packs == 3  # the changed weight packed anew (the first two graphs keep the old copy)
+
+
+def test_shared_onednn_copies_serve_every_row_count_but_one_and_live_as_long_as_a_graph_holds_them():
+    shared = linear_kernels.SharedOneDNNWeights()
+    weight = torch.randn(24, 16)
+    several = shared.packed(weight, 2)
+    assert shared.packed(weight, 8) is several and shared.packed(weight, None) is several
+    one_row = shared.packed(weight, 1)  # oneDNN's one-row layout is another
+    assert one_row is not several and shared.packs == len(shared) == 2
+    inputs = torch.randn(5, 16)
+    for packed in (several, one_row):
+        torch.testing.assert_close(
+            torch.ops.mkldnn._linear_pointwise(inputs, packed, None, "none", [], ""), inputs @ weight.T
+        )
+    del several, one_row, packed
+    assert len(shared) == 0  # held weakly: the graphs own them
+
+
 def test_compile_settings_put_freezing_in_force_for_the_context_only():
     assert torch._inductor.config.freezing is False
     with compile_settings(compile_config_for_cpu()):

@@ -10,8 +10,9 @@ Design decisions:
 - The change is an inductor post-grad pass (`OneDNNLinears`), handed to the compile through
   `options["post_grad_custom_post_pass"]` (`compile_config_for_cpu(linear_kernels=...)`): nothing global is
   patched, and inductor's on-disk cache keys on the pass (`uuid`). It runs after freezing, so it repacks each frozen
-  weight for oneDNN once, at compile time, and drops the MKL copy; the graph then calls oneDNN's linear, as inductor
-  itself does for bf16 weights. Linears that freezing did not pack (no frozen weight) are left alone.
+  weight for oneDNN at compile time, one copy for all the graphs compiled on it (`SharedOneDNNWeights`), and drops
+  the MKL copy; the graph then calls oneDNN's linear, as inductor itself does for bf16 weights. Linears that
+  freezing did not pack (no frozen weight) are left alone.
 - At one row (a decode step of one sequence: freezing packs it with `batch_size == 1`) a linear is a matrix-vector
   product bound by reading the weight. There, on a 2-vCPU AMD EPYC Zen 3 (AVX2, one thread), both libraries read
   T5's decoder weights and output layer (154 MB) more slowly than a plain vectorized dot product: one forward of
@@ -36,6 +37,7 @@ import functools
 import sys
 import threading
 import warnings
+import weakref
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
@@ -158,9 +160,56 @@ def _free_unused(graph: torch.fx.Graph, targets: set) -> None:
         delattr(graph.owning_module, target)
 
 
+class SharedOneDNNWeights:
+    """oneDNN's packed copies of frozen weights, one per weight for all the graphs compiled on it.
+
+    Every graph that freezing compiles holds its own constants: a model compiled at several shapes (a bucketed policy's
+    decode graphs, a padded policy's, a server's twelve) held one packed copy of its linears' weights per graph, as
+    much memory as the weights each time. `packed(weight, batch_size)` returns the copy packed for an earlier graph
+    where that copy still lives (held by a graph, weakly here) and holds the same values (checked exactly, on its
+    unpacked values: a weight changed in place, or a new tensor at a freed address, is packed anew), and packs a new
+    one otherwise.
+
+    One copy serves every number of rows but one: oneDNN packs a weight for one row (`batch_size == 1`) in another
+    layout, slower at several rows, and for any other row count in a layout that runs 2 to 320 rows at the same speed
+    with the same outputs, bit for bit (measured on an AMD EPYC Zen 3, one thread, t5-small's 512x2048, 2048x512 and
+    32128x512 weights: `mkldnn._linear_pointwise` at 2, 4, 8, 64 and 320 rows on weights packed for 2, 4, 8, 16, 64,
+    320 rows and for none, within the timing's noise). The bench's bucketed warm-up (rows 1, 2, 4, 6, 8) grew the
+    process by 724 MB against 1155 MB on the t5-small-sized T5, 718 against 1341 MB on opus-mt-sized Marian
+    (docs/compile.md).
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._copies: dict[tuple, weakref.ReferenceType] = {}
+        self.packs = 0  # copies packed so far
+
+    def packed(self, weight: torch.Tensor, batch_size) -> torch.Tensor:
+        key = (weight.data_ptr(), tuple(weight.shape), weight.stride(), weight.dtype, weight.device, batch_size == 1)
+        with self._lock:
+            reference = self._copies.get(key)
+            copy_ = reference() if reference is not None else None
+            if copy_ is not None and torch.equal(copy_.to_dense(), weight):
+                return copy_
+            copy_ = torch.ops.mkldnn._reorder_linear_weight(weight, batch_size)
+            self.packs += 1
+            self._copies = {k: r for k, r in self._copies.items() if r() is not None}
+            self._copies[key] = weakref.ref(copy_)
+            return copy_
+
+    def __len__(self) -> int:
+        """The packed copies alive."""
+        with self._lock:
+            return sum(reference() is not None for reference in self._copies.values())
+
+
+ONEDNN_WEIGHTS = SharedOneDNNWeights()
+
+
 class OneDNNLinears(CustomGraphPass):
     """Inductor post-grad pass: every MKL-packed frozen linear (`mkl._mkl_linear`) becomes oneDNN's
-    (`mkldnn._linear_pointwise`) on the same weight, repacked for oneDNN at compile time.
+    (`mkldnn._linear_pointwise`) on the same weight, repacked for oneDNN at compile time, one copy per weight for all
+    graphs (`SharedOneDNNWeights`).
 
     All instances are equal, so that two `compile_config_for_cpu()` configs compare equal (upstream's generate keeps
     its compiled call while the config does not change).
@@ -172,9 +221,7 @@ class OneDNNLinears(CustomGraphPass):
         for node, (inputs, packed, weight, bias, batch_size) in _frozen_mkl_linears(graph):
             name = f"{weight.target}_onednn"
             if not hasattr(module, name):
-                module.register_buffer(
-                    name, torch.ops.mkldnn._reorder_linear_weight(getattr(module, weight.target), batch_size)
-                )
+                module.register_buffer(name, ONEDNN_WEIGHTS.packed(getattr(module, weight.target), batch_size))
             with graph.inserting_before(node):
                 onednn_weight = graph.get_attr(name)
                 linear = graph.call_function(

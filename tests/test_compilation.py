@@ -44,32 +44,50 @@ def recording_backend(seen: list):
 
 
 def test_compile_config_for_cpu_freezes_weights_without_dynamic_shapes_and_compiles_on_cpu():
-    config = compile_config_for_cpu(linear_kernels="mkl", one_row_linears="library", int8_linears="library")
+    config = compile_config_for_cpu(
+        linear_kernels="mkl", one_row_linears="library", int8_linears="library", decode_attention="library"
+    )
     assert config.backend == "inductor" and config.dynamic is False and config.fullgraph is True
     assert config.options == {"freezing": True} and config.mode is None
     assert config._compile_all_devices is True
     options = compile_config_for_cpu(
-        linear_kernels="mkl", one_row_linears="library", int8_linears="library", cpp_wrapper=True
+        linear_kernels="mkl",
+        one_row_linears="library",
+        int8_linears="library",
+        decode_attention="library",
+        cpp_wrapper=True,
     ).options
     assert options == {"freezing": True, "cpp_wrapper": True}
 
 
 def test_onednn_linear_kernels_are_an_inductor_post_grad_pass_and_configs_with_it_compare_equal():
-    config = compile_config_for_cpu(linear_kernels="onednn", one_row_linears="library", int8_linears="library")
+    config = compile_config_for_cpu(
+        linear_kernels="onednn", one_row_linears="library", int8_linears="library", decode_attention="library"
+    )
     assert config.options == {"freezing": True, "post_grad_custom_post_pass": (OneDNNLinears(),)}
     # upstream's generate keeps its compiled call while the config compares equal
-    assert compile_config_for_cpu(linear_kernels="onednn", one_row_linears="library", int8_linears="library") == config
+    assert (
+        compile_config_for_cpu(
+            linear_kernels="onednn", one_row_linears="library", int8_linears="library", decode_attention="library"
+        )
+        == config
+    )
     assert OneDNNLinears().uuid() == OneDNNLinears().uuid()
 
 
 def test_one_row_linears_run_first_and_each_pass_keys_inductor_s_cache_apart():
-    config = compile_config_for_cpu(linear_kernels="onednn", one_row_linears="inductor", int8_linears="library")
+    config = compile_config_for_cpu(
+        linear_kernels="onednn", one_row_linears="inductor", int8_linears="library", decode_attention="library"
+    )
     assert config.options["post_grad_custom_post_pass"] == (OneRowLinears(), OneDNNLinears())
     assert (
-        compile_config_for_cpu(linear_kernels="onednn", one_row_linears="inductor", int8_linears="library") == config
+        compile_config_for_cpu(
+            linear_kernels="onednn", one_row_linears="inductor", int8_linears="library", decode_attention="library"
+        )
+        == config
     )
     assert compile_config_for_cpu(
-        linear_kernels="mkl", one_row_linears="inductor", int8_linears="library"
+        linear_kernels="mkl", one_row_linears="inductor", int8_linears="library", decode_attention="library"
     ).options == {
         "freezing": True,
         "post_grad_custom_post_pass": (OneRowLinears(),),
@@ -85,18 +103,25 @@ def test_auto_one_row_linears_are_inductor_s_where_the_cpu_is_not_intel_s(monkey
 
 def test_int8_dot_products_are_marked_before_freezing_and_expanded_first_after_it():
     # Float GEMMs are written before freezing too, so that it folds the weights' conversion into float copies.
-    config = compile_config_for_cpu(linear_kernels="onednn", one_row_linears="inductor", int8_linears="inductor")
+    config = compile_config_for_cpu(
+        linear_kernels="onednn", one_row_linears="inductor", int8_linears="inductor", decode_attention="library"
+    )
     assert config.options["joint_custom_post_pass"] == (Int8DotProducts(), Int8FloatGemms())
     assert config.options["post_grad_custom_post_pass"] == (Int8DotExpansion(), OneRowLinears(), OneDNNLinears())
     assert (
-        compile_config_for_cpu(linear_kernels="onednn", one_row_linears="inductor", int8_linears="inductor") == config
+        compile_config_for_cpu(
+            linear_kernels="onednn", one_row_linears="inductor", int8_linears="inductor", decode_attention="library"
+        )
+        == config
     )
     passes = (Int8DotProducts(), Int8FloatGemms(), Int8DotExpansion(), OneRowLinears())
     assert len({graph_pass.uuid() for graph_pass in passes}) == 4
 
 
 def test_fbgemm_int8_linears_are_marked_before_freezing_with_dot_products_for_fewer_rows():
-    config = compile_config_for_cpu(linear_kernels="onednn", one_row_linears="inductor", int8_linears="fbgemm")
+    config = compile_config_for_cpu(
+        linear_kernels="onednn", one_row_linears="inductor", int8_linears="fbgemm", decode_attention="library"
+    )
     assert config.options["joint_custom_post_pass"] == (Int8FbgemmMatmuls(), Int8DotProducts())
     assert config.options["post_grad_custom_post_pass"] == (Int8DotExpansion(), OneRowLinears(), OneDNNLinears())
     assert len({Int8FbgemmMatmuls().uuid(), Int8DotProducts().uuid()}) == 2
@@ -192,7 +217,8 @@ def test_auto_linear_kernels_are_mkl_on_intel_cpus_only_as_ctranslate2_chooses(m
     monkeypatch.setattr(linear_kernels, "cpu_vendor", lambda: vendor)
     monkeypatch.setattr(linear_kernels, "cpu_has_vnni", lambda: True)  # no int8 pass either
     assert linear_kernels.resolve_linear_kernels("auto") == expected
-    assert ("post_grad_custom_post_pass" in compile_config_for_cpu().options) == (expected == "onednn")
+    options = compile_config_for_cpu(decode_attention="library").options
+    assert ("post_grad_custom_post_pass" in options) == (expected == "onednn")
 
 
 def test_unknown_linear_kernels_are_refused_with_the_choices():

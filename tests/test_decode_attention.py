@@ -57,8 +57,10 @@ def one_query_inputs(rows=3, heads=4, positions=13, head_dim=16, mask="float", s
     return query, key, value, masks[mask], scale
 
 
-@pytest.mark.parametrize("mask", ["none", "bool", "float", "float min"])
-@pytest.mark.parametrize("scale", [None, 1.0, 0.3])
+@pytest.mark.parametrize(
+    ("mask", "scale"),
+    [("none", None), ("bool", None), ("float", None), ("float min", None), ("float", 1.0), ("bool", 0.3)],
+)
 def test_one_query_attention_runs_without_the_flash_kernel_with_eager_sdpa_outputs(mask, scale):
     inputs = one_query_inputs(mask=mask, scale=scale)
     output, flash = compiled_attention(inputs, "inductor")

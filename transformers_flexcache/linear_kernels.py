@@ -126,7 +126,8 @@ def _resolve(name: str, value: str, choices: tuple[str, ...], *, on_intel: str, 
 
 
 def _uuid(self) -> str:
-    return get_hash_for_files((__file__,), type(self).__name__).hex()  # inductor's cache keys on it
+    """The hash of the file that defines the pass's class, and its name: inductor's cache keys on it."""
+    return get_hash_for_files((sys.modules[type(self).__module__].__file__,), type(self).__name__).hex()
 
 
 def _same_type(self, other) -> bool:

@@ -591,6 +591,9 @@ class FixedShapeMasksMixin:
         policy = POLICIES.get(getattr(cache, "shape_policy", None))
         if policy is None or not policy.fixed_shapes:
             return masks
+        if masks is not None and not (isinstance(masks, dict) and None in masks.values()):
+            # Every mask built (a decode step's, a padded prompt's): nothing to add.
+            return masks
         full_kwargs = {
             key: mask_kwargs.get(key) for key in ("inputs_embeds", "attention_mask", "cache", "position_ids")
         }

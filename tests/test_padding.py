@@ -251,3 +251,51 @@ def test_unknown_shape_policy_in_cache_config_is_refused():
         flex.generate(
             **inputs, cache_implementation="flexible_static", cache_config={"shape_policy": "fixed"}, max_new_tokens=2
         )
+
+
+SAMPLING = {
+    "sampling": {"do_sample": True, "top_k": 8, "temperature": 0.7},
+    "sampling_2_sequences": {"do_sample": True, "top_k": 8, "temperature": 1.0, "num_return_sequences": 2},
+    "beam_sampling": {"do_sample": True, "temperature": 1.0, "num_beams": 2},
+}
+
+
+def _sampled_stream(model, stream: list[dict], seed: int, **kwargs) -> list[torch.Tensor]:
+    """The sequences of each call of `stream`, run one after the other after one `torch.manual_seed(seed)`: a call
+    that draws more random numbers than another moves every later call's draws too."""
+    torch.manual_seed(seed)
+    return [model.generate(**own_copy(inputs), **kwargs).sequences for inputs in stream]
+
+
+# Every model type samples in padded mode; one decoder-only, one encoder-decoder and Whisper (whose generate samples
+# only when given a temperature) in every mode and policy.
+SAMPLED = [
+    pytest.param(case, policy, SAMPLING[mode], id=f"{case.name}-{policy}-{mode}")
+    for case in MODEL_CASES
+    for policy in ("padded", "bucketed")
+    for mode in SAMPLING
+    if (policy, mode) == ("padded", "sampling") or case.name in ("llama", "t5", "whisper")
+]
+
+
+@pytest.mark.parametrize(("case", "shape_policy", "sampling"), SAMPLED)
+def test_seeded_sampling_of_a_padded_stream_gives_dynamic_caches_tokens(case, shape_policy, sampling):
+    upstream, flex = case.build()
+    generator = torch.Generator().manual_seed(4)
+    calls = [(1, 5), (3, 9), (1, 12)]  # inputs and length; every call has padding rows
+    stream = [case.make_inputs(batch, case.decoding_input_len or length, generator) for batch, length in calls]
+    # 8 rows: every call is padded to 8 rows (padded) or to the next bucket of rows (bucketed: 4 or 8)
+    config = padded_config(flex, max_batch_size=8, shape_policy=shape_policy)
+    if shape_policy == "bucketed":
+        config["buckets"] = {"max_batch_size": [4]}
+    common = {"max_new_tokens": 5, "return_dict_in_generate": True, **sampling, **case.generate_kwargs}
+    expected = _sampled_stream(upstream, stream, 0, **common)
+    actual = _sampled_stream(flex, stream, 0, cache_implementation="flexible_static", cache_config=config, **common)
+    for index, (want, got) in enumerate(zip(expected, actual, strict=True)):
+        assert torch.equal(want, got), (index, want, got)
+    # the calls did run padded (the last, of one input, on a cache of 8 rows), and the tokens do follow the draws
+    # (another seed gives others): draws moved by the padding rows would show
+    rows_per_input = max(common.get("num_beams", 1), common.get("num_return_sequences", 1))
+    assert flex.flexible_cache.batch_size > rows_per_input * calls[-1][0]
+    other_seed = _sampled_stream(upstream, stream, 1, **common)
+    assert any(not torch.equal(want, other) for want, other in zip(expected, other_seed, strict=True))

@@ -62,6 +62,7 @@ from transformers.utils import ModelOutput
 from .cache import CacheConfig, is_flexible_cache
 from .compiled_encoder import compiles_encoder, encode_compiled
 from .log import get_logger
+from .padded_sampling import RealRowsSampling, with_processor
 from .quantization import check_compiled_int8
 from .signatures import signature_of
 
@@ -244,14 +245,19 @@ class PaddedCall:
     candidates: bool = False  # candidate decoding (assistant, prompt lookup): batch and encoder are not padded
     encoder_len: int | None = None  # the call's own encoder positions, before they were padded (encoder-decoder)
 
+    sampling: RealRowsSampling | None = None  # a sampled call with padding rows: draws as the unpadded call
+
     def stopping_criteria(self, given: StoppingCriteriaList | None) -> StoppingCriteriaList | None:
-        """The caller's stopping criteria, plus one that finishes the padding rows (when there are any)."""
+        """The caller's stopping criteria, plus one that finishes the padding rows (when there are any), and for a
+        sampled call the replay of the real rows' random draws (`padded_sampling.py`)."""
         if self.padded_batch_size == self.batch_size:
             return given
         criteria = StoppingCriteriaList(list(given or []))
         criteria.append(
             PaddingRowsStoppingCriteria(batch_size=self.batch_size, padded_batch_size=self.padded_batch_size)
         )
+        if self.sampling is not None:
+            criteria.append(self.sampling.criterion)
         return criteria
 
     def cut_rows(self, value):
@@ -417,6 +423,10 @@ class PaddedPolicy:
         call = self._pad_call(
             plan, arguments, extra, model_kwargs, main_param=main_param, has_default_max_length=has_default_max_length
         )
+        samples = resolved.do_sample and call.padded_batch_size > call.batch_size
+        if samples and {"stopping_criteria", "logits_processor"} <= signature.parameters.keys():
+            call.sampling = RealRowsSampling(batch_size=call.batch_size, padded_batch_size=call.padded_batch_size)
+            arguments["logits_processor"] = with_processor(arguments.get("logits_processor"), call.sampling.processor)
         if "stopping_criteria" in signature.parameters:
             arguments["stopping_criteria"] = call.stopping_criteria(arguments.get("stopping_criteria"))
         # Settings that upstream's compile_config cannot pass on by itself (freezing), for compiles in this call.

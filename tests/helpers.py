@@ -24,9 +24,11 @@ import threading
 
 import torch
 import torch.nn.functional as F
-from transformers import CompileConfig
+from transformers import CompileConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.modeling_outputs import BaseModelOutput
 from transformers.utils import ModelOutput
+
+from transformers_flexcache.padded_sampling import RealRowsSampling
 
 SCORE_ATOL = 1e-5
 MOVEMENT_MARGIN = 2.0
@@ -212,6 +214,14 @@ def upstream_movement(
         kwargs.pop("assistant_model", None)
         kwargs.pop("prompt_lookup_num_tokens", None)
     kwargs.update(cache_implementation="static", max_cache_len=cache_len)
+    batch_size = batch_size_of(inputs)
+    if kwargs.get("do_sample") and num_inputs > batch_size and "logits_processor" not in kwargs:
+        # Upstream samples its padding rows too: its generator is put back after each step where the unpadded run
+        # leaves it, as a padded flexible call's is (what the sampling tests check against DynamicCache's tokens),
+        # so that this run samples the same tokens and measures the scores alone.
+        sampling = RealRowsSampling(batch_size=batch_size, padded_batch_size=num_inputs)
+        kwargs.update(logits_processor=LogitsProcessorList([sampling.processor]))
+        kwargs.update(stopping_criteria=StoppingCriteriaList([sampling.criterion]))
     torch.manual_seed(seed)
     moved = upstream.generate(**own_copy(padded), **kwargs)
     # An equivalent run gives the same tokens; one that does not is no measure of float noise (it padded or masked

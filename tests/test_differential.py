@@ -31,9 +31,6 @@ STRATEGIES = {
     "sampling, 2 sequences": {"do_sample": True, "top_k": 8, "num_return_sequences": 2},
     "beams, 2 sequences": {"do_sample": False, "num_beams": 2, "num_return_sequences": 2},
 }
-# Padded calls run at max_batch_size rows; with sampling the padding rows draw random numbers too, so the real rows
-# sample other tokens than an unpadded call (docs/compile.md). Padded sequences decode deterministically.
-PADDED_STRATEGIES = ["greedy", "beams", "beams, 2 sequences"]
 SHAPE_POLICIES = ("exact", "padded")  # alternating, so that every model runs both in the default suite
 PRESET = {"max_batch_size": 8, "max_cache_len": 30, "max_encoder_len": 12, "max_prompt_len": 8}
 
@@ -69,8 +66,7 @@ class Sequence:
 
 def _draw(rng: random.Random, sequence: Sequence) -> Step:
     case, encoder_decoder = sequence.case, sequence.flex.config.is_encoder_decoder
-    strategies = list(STRATEGIES) if sequence.shape_policy == "exact" else PADDED_STRATEGIES
-    strategy = rng.choice(["greedy", *strategies])  # greedy twice as often: calls that a continuation may follow
+    strategy = rng.choice(["greedy", *STRATEGIES])  # greedy twice as often: calls that a continuation may follow
     length = rng.randint(2, 8)
     if case is WHISPER and (rng.random() < 0.5 or "num_return_sequences" in STRATEGIES[strategy]):
         # Upstream's Whisper repeats `input_features` for several returned sequences, not `encoder_outputs`.

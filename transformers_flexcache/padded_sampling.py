@@ -13,10 +13,12 @@ Design decisions:
   alone draws: an exponential race over as many numbers, of the scores' dtype (what `torch.multinomial` draws for
   one sample or several without replacement; `tests/test_padding.py` checks the tokens against DynamicCache's). The
   padding rows' own draws are thrown away. It costs one more race over the real rows' scores a step (about 1 ms for
-  one row of a 32k vocabulary on one core, where the padded call's own sampling already pays for every row).
+  one row of a 32k vocabulary, one thread of an AMD EPYC Zen 3, where the padded call's own sampling already pays
+  for every row).
 - Only on the CPU: there the draws are sequential, so the real rows' draws do not depend on the padding behind
-  them. A CUDA generator spreads draws over threads by the tensor's size, so a padded call's real rows sample other
-  numbers from the first step: that difference stays (docs/compile.md).
+  them (checked, torch==2.13.0). On CUDA which draw an element gets follows the kernel's launch, which follows the
+  tensor's size, so the padding may move the real rows' draws from the first step; not measured (no GPU here), so
+  nothing is replayed there (docs/compile.md).
 - Only where there are padding rows and upstream samples (`do_sample`); greedy and beam search draw nothing.
 """
 

@@ -486,10 +486,17 @@ def seven_bits(monkeypatch):
     monkeypatch.setattr(torchao.utils, "should_reduce_range", lambda device: True)
 
 
-# "library" under -m slow: "inductor"'s own check already sees the one library linear the profile must find.
+# "library" and "inductor" under -m slow (86 s here): `"auto"` resolves to "library" on CPUs with VNNI and to "fbgemm"
+# elsewhere (x86 wheels of torch have FBGEMM), whose run takes "inductor"'s dot products for its 1-2 row decode steps;
+# "inductor"'s dot products at up to 8 rows equal `_int_mm` bit for bit and its float GEMMs of the encoder side are
+# checked against the eager encoder, in tests above.
 @pytest.mark.parametrize(
     "int8_linears",
-    ["inductor", pytest.param("fbgemm", marks=needs_fbgemm), pytest.param("library", marks=pytest.mark.slow)],
+    [
+        pytest.param("inductor", marks=pytest.mark.slow),
+        pytest.param("fbgemm", marks=needs_fbgemm),
+        pytest.param("library", marks=pytest.mark.slow),
+    ],
 )
 def test_compiled_int8_dot_products_and_fbgemm_generate_the_eager_int8_dynamic_cache_tokens(seven_bits, int8_linears):
     # Forced on (the default where the CPU has no VNNI is FBGEMM's): "inductor" runs the decode steps as dot

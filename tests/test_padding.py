@@ -20,7 +20,7 @@ from tests.helpers import (
 )
 from tests.model_cases import MODEL_CASES
 from tests.test_generation import CAPACITY, SHAPE_STREAM
-from transformers_flexcache.padding import PaddingRowsStoppingCriteria
+from transformers_flexcache.padded_call import PaddingRowsStoppingCriteria
 
 CASE_AND_ATTN = [
     pytest.param(case, attn, id=f"{case.name}-{attn}") for case in MODEL_CASES for attn in case.attn_implementations

@@ -205,7 +205,7 @@ def warmup(
     need a warmup under it too (else they compile again).
 
     Returns:
-        `list[CallShape]`: the shapes run (`transformers_flexcache.padding.CallShape`). Generate's `compile_config`
+        `list[CallShape]`: the shapes run (`transformers_flexcache.padded_call.CallShape`). Generate's `compile_config`
         compiles one decode graph per distinct `(batch_size, cache_len)` (decoder-only) or `(batch_size, length,
         cache_len)` (encoder-decoder); a compiled `model.forward` also one prefill graph per shape.
 

@@ -5,7 +5,7 @@ the call. It resolves the request once (the call's kwargs, then its `generation_
 for `flexible_static`, with which `cache_config`), keeps the parsed `CacheConfig`, names the kind of cache the call
 needs (`cache.CacheKind`), asks the model's pool the call's one capacity question (`CachePool.decide`: it raises
 before anything is padded or allocated), and carries what follows from the answer: the padding record of a
-fixed-shape policy (`padding.PaddedCall`), the lease and the cache.
+fixed-shape policy (`padded_call.PaddedCall`), the lease and the cache.
 
 The plans of the calls running in this context (this thread) are one context variable, innermost last: a generate
 call made inside another (Whisper's segment and fallback calls, an assistant model's rounds) finds the enclosing plan
@@ -107,7 +107,7 @@ class CallPlan:
         kind: the kind of cache the call leases (`CacheKind`), once known.
         need: what the call needs (`Need`), once stated.
         reservation: the pool's answer (`Reservation`).
-        padding: what a fixed-shape policy did to the call (`padding.PaddedCall`), or None.
+        padding: what a fixed-shape policy did to the call (`padded_call.PaddedCall`), or None.
         leases: the leases this call holds (its own, and those of calls it made that ended).
         cache: the flexible cache the call runs on, once leased.
         num_questions: how many times the pool was asked (1; 2 only if upstream needed more than stated).

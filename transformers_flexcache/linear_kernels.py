@@ -43,6 +43,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch._prims_common import make_contiguous_strides_for
 
+from .cpu import cpu_facts
 from .log import get_logger
 
 logger = get_logger(__name__)
@@ -56,16 +57,6 @@ FBGEMM_WEIGHT_LIMIT = 64
 FBGEMM_MIN_ROWS = 3  # under int8_linears="fbgemm", int8 products of fewer static rows run as dot products
 # ... unless their weight has at least this many outputs (a vocabulary's output layer): see `Int8FbgemmMatmuls`
 FBGEMM_MIN_OUTPUTS = 8192
-
-
-@functools.cache
-def cpu_vendor() -> str | None:
-    """The `vendor_id` of /proc/cpuinfo (`"GenuineIntel"`, `"AuthenticAMD"`), or None where it cannot be read."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), None)
-    except OSError:
-        return None
 
 
 def resolve_linear_kernels(linear_kernels: str) -> str:
@@ -98,7 +89,7 @@ def resolve_int8_linears(int8_linears: str) -> str:
     if int8_linears not in INT8_LINEARS:
         raise ValueError(f"int8_linears={int8_linears!r} is not one of {INT8_LINEARS}")
     if int8_linears == "auto":
-        if cpu_has_vnni():
+        if cpu_facts().vnni:
             return "library"
         return "fbgemm" if has_fbgemm() else "inductor"
     return int8_linears
@@ -109,19 +100,12 @@ def has_fbgemm() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines
 
 
-@functools.cache
-def cpu_has_vnni() -> bool:
-    """Whether this CPU has AVX512-VNNI (torch's check, which torchao's 7-bit rule reads too)."""
-    check = getattr(torch._C._cpu, "_is_vnni_supported", None)
-    return bool(check and check())
-
-
 def _resolve(name: str, value: str, choices: tuple[str, ...], *, on_intel: str, elsewhere: str) -> str:
     """`value`, with `"auto"` resolved by the CPU's vendor; refuses a value outside `choices`."""
     if value not in choices:
         raise ValueError(f"{name}={value!r} is not one of {choices}")
     if value == "auto":
-        return on_intel if cpu_vendor() == "GenuineIntel" else elsewhere
+        return on_intel if cpu_facts().is_intel else elsewhere
     return value
 
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .linear_kernels import cpu_has_vnni
+from .cpu import cpu_facts
 from .log import get_logger
 
 logger = get_logger(__name__)
@@ -108,24 +108,24 @@ def quantize(model: nn.Module, mode: str = "int8") -> nn.Module:
 
 def int8_bits() -> int:
     """The bits `quantize(model, "int8")` gives weights and activations on this CPU: 8, or 7 where the CPU has no
-    VNNI (oneDNN's int8 GEMMs would saturate at 8 bits there; see the module docstring)."""
-    from torchao.utils import should_reduce_range
-
-    return 7 if should_reduce_range(torch.device("cpu")) else 8
+    VNNI (oneDNN's int8 GEMMs would saturate at 8 bits there; see the module docstring). `cpu.cpu_facts().vnni`
+    decides, as torchao's `should_reduce_range` does."""
+    return 8 if cpu_facts().vnni else 7
 
 
 def check_compiled_int8(model: nn.Module) -> None:
     """Raise a `ValueError` where `model` holds int8 weights at 8-bit ranges (quantized on a CPU with VNNI) and this
     CPU has none: its compiled int8 GEMMs would saturate (see the module docstring). Called before a compiled call
     changes anything; on a CPU without VNNI, float models pass at the cost of finding their first linear layer."""
-    if cpu_has_vnni():  # cached: nothing else runs on a CPU with VNNI
+    facts = cpu_facts()
+    if facts.vnni:  # nothing else runs on a CPU with VNNI
         return
     first = next((module for module in model.modules() if isinstance(module, nn.Linear)), None)
     if first is not None and _is_quantized(first.weight) and not getattr(first.weight, "reduce_range", True):
         raise ValueError(
             "this model's int8 weights use 8-bit ranges, which oneDNN's compiled int8 kernels saturate on this CPU "
-            "(no VNNI: AVX2 only), giving wrong outputs: quantize the float model on this machine "
-            '(quantize(model, "int8") uses 7 bits here), or run it without compile_config'
+            f"(no AVX512-VNNI or AMX: {facts.describe()}), giving wrong outputs: quantize the float model on this "
+            'machine (quantize(model, "int8") uses 7 bits here), or run it without compile_config'
         )
 
 

@@ -12,7 +12,7 @@ import torch
 from transformers import DynamicCache
 
 from tests.model_cases import LLAMA
-from transformers_flexcache import linear_kernels
+from transformers_flexcache import cpu
 from transformers_flexcache.__main__ import main
 from transformers_flexcache.bench.measure import FIGURES, CacheStorageTracker
 from transformers_flexcache.bench.models import DEFAULT_MODELS
@@ -273,8 +273,13 @@ def test_quick_bench_header_says_which_instructions_the_cpu_has_and_which_kernel
     assert isa["linear_kernels"] in ("onednn", "mkl") and isa["torch_capability"]
     assert isa["one_row_linears"] in ("inductor", "library")
     fbgemm = "fbgemm" in torch.backends.quantized.supported_engines
-    assert isa["int8_linears"] == ("library" if linear_kernels.cpu_has_vnni() else "fbgemm" if fbgemm else "inductor")
-    assert "CPU: " in printed.split("\n\n", 1)[0] and "fp32 linears compiled on" in printed
+    facts = cpu.cpu_facts()
+    assert isa["int8_linears"] == ("library" if facts.vnni else "fbgemm" if fbgemm else "inductor")
+    assert (
+        isa["vnni"] == facts.vnni and isa["bf16_native"] == facts.bf16 and isa["int8_bits"] == (8 if facts.vnni else 7)
+    )
+    header = printed.split("\n\n", 1)[0]
+    assert f"CPU: {facts.describe()}" in header and "fp32 linears compiled on" in printed
 
 
 def test_named_compiled_int8_rows_run_in_a_quick_run_against_the_eager_int8_model(tmp_path):
@@ -289,7 +294,9 @@ def test_named_compiled_int8_rows_run_in_a_quick_run_against_the_eager_int8_mode
     assert set(strategies) == {BASELINE, DYNAMIC_INT8, "flexible_static-padded-compiled-int8", *PEERS}
     compiled = strategies["flexible_static-padded-compiled-int8"]
     assert compiled["reference"] == DYNAMIC_INT8 and not compiled["exact"]  # agreement reported, not required
-    assert compiled["token_agreement"] == 1.0  # on the tiny model: the eager int8 tokens
+    # which tokens a compiled int8 call gives is tests/test_quantization.py's to check (against eager int8, within a
+    # tolerance derived on this machine): here, that the agreement is reported
+    assert 0 < compiled["token_agreement"] <= 1
     assert compiled["max_score_diff"] is not None and compiled["max_score_diff_vs_fp32"] is not None
     assert compiled["compiled_graphs"] >= 1
 

@@ -24,8 +24,8 @@ import time
 import torch
 from transformers.utils import logging as hf_logging
 
+from ..cpu import cpu_facts
 from .measure import read_bandwidth
-from .model_run import run_model
 from .models import (
     BENCH_MODELS,
     DEFAULT_MODELS,
@@ -152,8 +152,11 @@ def _resolve(args, parser: argparse.ArgumentParser) -> tuple[list[BenchModel], l
         parser.error(f"--device {args.device}: {error}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device} needs CUDA, and torch.cuda.is_available() is False")
-    if args.dtype == "bfloat16" and args.device == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        parser.error("--dtype bfloat16 needs a CPU with native bf16 (AVX512-BF16 or AMX): this one would emulate it")
+    if args.dtype == "bfloat16" and args.device == "cpu" and not cpu_facts().bf16:
+        parser.error(
+            "--dtype bfloat16 needs a CPU with native bf16 (AVX512-BF16 or AMX): this one would emulate it "
+            f"({cpu_facts().describe()}); use --dtype float32"
+        )
     if args.dtype == "float16" and args.device == "cpu":
         parser.error("--dtype float16 is for GPUs; on CPU use bfloat16 (where supported) or float32")
     names = [name.strip() for name in (args.strategies or default_strategy_names()).split(",") if name.strip()]
@@ -206,6 +209,7 @@ def _quiet_transformers():
 
 def run(args, parser: argparse.ArgumentParser) -> int:
     """Run the `bench` subcommand; returns the exit status (0: all outputs equal to DynamicCache's)."""
+    from .model_run import run_model  # the model stack, imported when the command runs (not for --help)
     from .report import format_footer, format_header, format_model, machine_info, to_json, write_plot
 
     models, strategies = _resolve(args, parser)

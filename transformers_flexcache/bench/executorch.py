@@ -205,7 +205,7 @@ class OursRunner(_ProgramRunner):
         )
 
     def _decode(self, inputs: dict, new_tokens: int, processors: LogitsProcessorList) -> torch.Tensor:
-        from ..export.generate import generate
+        from ..export.decoding import generate
 
         # No eos_token_id: EOS is suppressed until the last token (NoEndOfSequence), so no row finishes early.
         return generate(

@@ -21,16 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from transformers import (
-    AutoConfig,
-    BartForConditionalGeneration,
-    LlamaForCausalLM,
-    MarianMTModel,
-    PreTrainedConfig,
-    Qwen2ForCausalLM,
-    T5ForConditionalGeneration,
-    WhisperForConditionalGeneration,
-)
+import transformers
+from transformers import AutoConfig, PreTrainedConfig
 
 from .. import zoo
 
@@ -41,7 +33,8 @@ class BenchModel:
 
     Args:
         name: the `--models` name, equal to the upstream `model_type`.
-        upstream_class: the upstream model class; its override is looked up by it.
+        upstream_class_name: the upstream model class's name in `transformers` (`upstream_class`, imported when first
+            used: the command line's help imports no model code); its override is looked up by it.
         build_config: the real-sized config of the default run.
         build_quick_config: a tiny config for `--quick`.
         description: what the real-sized config stands for, for the report.
@@ -51,13 +44,17 @@ class BenchModel:
     """
 
     name: str
-    upstream_class: type
+    upstream_class_name: str
     build_config: Callable[[], PreTrainedConfig]
     build_quick_config: Callable[[], PreTrainedConfig]
     description: str
     input_kind: str = "tokens"
     default_max_batch_size: int | None = None
     ctranslate2_peer: bool = False
+
+    @property
+    def upstream_class(self) -> type:
+        return getattr(transformers, self.upstream_class_name)
 
     def encoder_len(self, config: PreTrainedConfig, length: int) -> int:
         """Encoder positions that a call of input length `length` fills (fixed for Whisper)."""
@@ -106,7 +103,7 @@ BENCH_MODELS = {
     for model in [
         BenchModel(
             "t5",
-            T5ForConditionalGeneration,
+            "T5ForConditionalGeneration",
             zoo.REAL_CONFIGS["t5"],
             zoo.TINY_CONFIGS["t5"],
             "t5-small-sized T5 with untied embeddings",
@@ -114,14 +111,14 @@ BENCH_MODELS = {
         ),
         BenchModel(
             "bart",
-            BartForConditionalGeneration,
+            "BartForConditionalGeneration",
             zoo.REAL_CONFIGS["bart"],
             zoo.TINY_CONFIGS["bart"],
             "bart-base-sized BART with untied embeddings",
         ),
         BenchModel(
             "marian",
-            MarianMTModel,
+            "MarianMTModel",
             zoo.REAL_CONFIGS["marian"],
             zoo.TINY_CONFIGS["marian"],
             "opus-mt-en-de-sized Marian (translation) with untied embeddings",
@@ -129,7 +126,7 @@ BENCH_MODELS = {
         ),
         BenchModel(
             "whisper",
-            WhisperForConditionalGeneration,
+            "WhisperForConditionalGeneration",
             zoo.REAL_CONFIGS["whisper"],
             zoo.TINY_CONFIGS["whisper"],
             "whisper-tiny-sized Whisper with untied embeddings",
@@ -139,10 +136,10 @@ BENCH_MODELS = {
             default_max_batch_size=2,
         ),
         BenchModel(
-            "llama", LlamaForCausalLM, zoo.REAL_CONFIGS["llama"], zoo.TINY_CONFIGS["llama"], "~100M-parameter Llama"
+            "llama", "LlamaForCausalLM", zoo.REAL_CONFIGS["llama"], zoo.TINY_CONFIGS["llama"], "~100M-parameter Llama"
         ),
         BenchModel(
-            "qwen2", Qwen2ForCausalLM, zoo.REAL_CONFIGS["qwen2"], zoo.TINY_CONFIGS["qwen2"], "~100M-parameter Qwen2"
+            "qwen2", "Qwen2ForCausalLM", zoo.REAL_CONFIGS["qwen2"], zoo.TINY_CONFIGS["qwen2"], "~100M-parameter Qwen2"
         ),
     ]
 }

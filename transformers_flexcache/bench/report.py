@@ -17,6 +17,7 @@ import textwrap
 import torch
 import transformers
 
+from ..cpu import cpu_facts
 from .measure import FIGURES
 
 MB = 1e6
@@ -24,14 +25,10 @@ MB = 1e6
 
 def machine_info(threads: int) -> dict:
     """What the figures were measured on."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    facts = cpu_facts()
     info = {
-        "cpu": cpu,
+        "cpu": facts.model_name or platform.processor() or platform.machine(),
+        "cpu_line": facts.describe(),
         "cpu_count": os.cpu_count(),
         "threads": threads,
         "load_average_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
@@ -54,16 +51,11 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_b
 
 
 def isa_info() -> dict:
-    """The CPU's vendor and instruction sets that matter here, torch's view of them, the kernels the compiled fp32
-    linears use (`compile_config_for_cpu`) and CTranslate2's compute types on this CPU."""
-    from ..linear_kernels import cpu_vendor, resolve_int8_linears, resolve_linear_kernels, resolve_one_row_linears
+    """The CPU's vendor and instruction sets that matter here (`cpu.cpu_facts()`), the kernels the compiled linears
+    use (`compile_config_for_cpu`'s `"auto"`) and CTranslate2's compute types on this CPU."""
+    from ..linear_kernels import resolve_int8_linears, resolve_linear_kernels, resolve_one_row_linears
 
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
-    except OSError:
-        pass
+    facts = cpu_facts()
     try:
         from .ctranslate2 import supported_compute_types
 
@@ -71,10 +63,15 @@ def isa_info() -> dict:
     except ImportError:
         compute_types = None
     return {
-        "vendor": cpu_vendor(),
-        "flags": [flag for flag in ISA_FLAGS if flag in flags],
-        "torch_capability": torch.backends.cpu.get_cpu_capability(),
-        "bf16_native": bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+        "vendor": facts.vendor,
+        "family": facts.family,
+        "model": facts.model,
+        "flags": [flag for flag in ISA_FLAGS if flag in facts.flags],
+        "torch_capability": facts.capability,
+        "vnni": facts.vnni,
+        "amx": facts.amx,
+        "bf16_native": facts.bf16,
+        "physical_cores": facts.physical_cores,
         "linear_kernels": resolve_linear_kernels("auto"),
         "one_row_linears": resolve_one_row_linears("auto"),
         "int8_linears": resolve_int8_linears("auto"),
@@ -86,11 +83,12 @@ def isa_info() -> dict:
 def _int8_bits() -> int | None:
     """The bits of `quantize(model, "int8")` on this CPU (7 without VNNI), or None without torchao."""
     try:
-        from ..quantization import int8_bits
-
-        return int8_bits()
+        import torchao  # noqa: F401  (quantize needs it)
     except ImportError:
         return None
+    from ..quantization import int8_bits
+
+    return int8_bits()
 
 
 def _stream_json(result) -> list[dict]:
@@ -511,18 +509,21 @@ def _isa_line(machine: dict) -> str:
     if not isa:
         return ""
     flags = " ".join(isa.get("flags", [])) or "none of avx2/avx512/vnni/bf16/amx"
+    cpu_line = f"{isa.get('vendor') or '?'}, {flags}; torch {isa.get('torch_capability')}"  # reports before cpu_line
     bf16 = "native bf16 matmuls" if isa.get("bf16_native") else "no native bf16 (emulated)"
     ct2 = isa.get("ctranslate2_compute_types")
     ct2 = f"; CTranslate2 compute types: {', '.join(ct2)}" if ct2 else ""
     bits = isa.get("int8_bits")
     int8 = f"; our int8 at {bits} bits" + (" (no VNNI: 8 would saturate)" if bits == 7 else "") if bits else ""
-    if bits and isa.get("int8_linears") == "inductor":
+    if bits and isa.get("int8_linears") == "library":
+        int8 += ", on oneDNN's int8 kernels (VNNI)"
+    elif bits and isa.get("int8_linears") == "inductor":
         int8 += ", its decode steps as inductor's dot products, its encoder as float32 GEMMs up to 128 positions"
     elif bits and isa.get("int8_linears") == "fbgemm":
         int8 += ", on FBGEMM's int8 GEMMs (decode steps of 1-2 rows: inductor's dot products, but the output layer)"
     one_row = " (one-row graphs: inductor's dot products)" if isa.get("one_row_linears") == "inductor" else ""
     return (
-        f"CPU: {isa.get('vendor') or '?'}, {flags}; torch {isa.get('torch_capability')}, {bf16}\n"
+        f"CPU: {machine.get('cpu_line') or cpu_line}; {bf16}\n"
         f"fp32 linears compiled on {isa.get('linear_kernels')}{one_row}{int8}{ct2}\n"
     )
 

@@ -282,7 +282,7 @@ def _run(args) -> int:
         names.insert(0, "one-at-a-time")  # its tokens are the reference of the others
     machine = machine_info(args.threads)
     print(
-        f"machine: {machine['cpu']} ({_isa()}), {machine['cpu_count']} cores, {args.threads} thread(s), load average "
+        f"machine: {_isa()}, {machine['cpu_count']} cores, {args.threads} thread(s), load average "
         f"{machine['load_average_at_start']}; torch {machine['torch']}, transformers {machine['transformers']}, "
         f"ctranslate2 {machine['ctranslate2']}"
     )
@@ -353,14 +353,10 @@ def _run(args) -> int:
 
 
 def _isa() -> str:
-    """The vector extensions the CPU has that matter to the figures (AVX2, AVX-512, its bf16 and AMX)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next(line for line in f if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return "ISA unknown"
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8", "avx512_vnni", "avx_vnni")
-    return " ".join(flag for flag in wanted if flag in flags) or "no AVX2"
+    """The CPU and the vector extensions it has that matter to the figures (AVX2, AVX-512, VNNI, bf16, AMX)."""
+    from ..cpu import cpu_facts
+
+    return cpu_facts().describe()
 
 
 def _service_rate(one_at_a_time: Strategy, stream: list[LoadRequest]) -> float:

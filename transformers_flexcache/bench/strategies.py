@@ -32,9 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from transformers import CompileConfig
 
-from ..compilation import compile_config_for_cpu
 from ..request import FLEXIBLE_STATIC
 from .executorch import OURS as EXECUTORCH
 from .executorch import TRANSFORMERS as TRANSFORMERS_EXPORTER
@@ -90,9 +88,14 @@ class Strategy:
     def bucketed(self) -> bool:
         return self.cache_config.get("shape_policy") == "bucketed"
 
-    def compile_config(self, device: torch.device) -> CompileConfig | None:
+    def compile_config(self, device: torch.device):
+        """The strategy's `CompileConfig` on `device`, or None for an eager strategy."""
         if not self.compile:
             return None
+        from transformers import CompileConfig
+
+        from ..compilation import compile_config_for_cpu  # imported here: the command line's help compiles nothing
+
         if device.type == "cpu":
             config = compile_config_for_cpu(freezing=self.freezing)
         else:  # CUDA graphs, as upstream's default

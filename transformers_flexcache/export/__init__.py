@@ -53,26 +53,31 @@ Design decisions:
 
 Layout: `../cache/buffer_views.py` (the cache objects of one call, in the cache package: they subclass its layers), `rewrites.py` (export-time attention and norms, an edge
 pass), `modules.py` (the traced wrappers), `api.py` (export functions), `runners.py` (checks, torch and ExecuTorch
-execution), `lowering.py` (the `.pte`), `quantize.py` (torchao), `generate.py` (greedy and sampling), `cli.py`
+execution), `lowering.py` (the `.pte`), `quantize.py` (torchao), `decoding.py` (greedy and sampling: `generate`), `cli.py`
 (`python -m transformers_flexcache export`), `measure.py` (timings against eager and transformers' exporter).
 """
 
-from .api import export_decoder_only, export_encoder_decoder, export_model
-from .generate import generate, greedy_generate
-from .modules import ENCODER_INPUTS, ExportableDecoderOnly, ExportableEncoderDecoder, export_programs
-from .runners import ExecuTorchPrograms, ExportedPrograms, ProgramRunner
+# Loaded on first use (PEP 562), so that `python -m transformers_flexcache export --help` imports no model code.
+_LAZY = {
+    "ENCODER_INPUTS": "modules",
+    "ExecuTorchPrograms": "runners",
+    "ExportableDecoderOnly": "modules",
+    "ExportableEncoderDecoder": "modules",
+    "ExportedPrograms": "runners",
+    "ProgramRunner": "runners",
+    "export_decoder_only": "api",
+    "export_encoder_decoder": "api",
+    "export_model": "api",
+    "export_programs": "modules",
+    "generate": "decoding",
+    "greedy_generate": "decoding",
+}
+__all__ = sorted(_LAZY)
 
-__all__ = [
-    "ENCODER_INPUTS",
-    "ExecuTorchPrograms",
-    "ExportableDecoderOnly",
-    "ExportableEncoderDecoder",
-    "ExportedPrograms",
-    "ProgramRunner",
-    "export_decoder_only",
-    "export_encoder_decoder",
-    "export_model",
-    "export_programs",
-    "generate",
-    "greedy_generate",
-]
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -320,7 +320,7 @@ def _suppressing_processors(upstream):
 
 def decode_ours(runner, upstream, calls: list[dict], expected: list[torch.Tensor]) -> dict:
     """Run the stream on our program; per-step latency and token agreement with `expected`."""
-    from .generate import generate
+    from .decoding import generate
 
     step_method = "text_decoder" if runner.is_encoder_decoder else "forward"  # the first is the prompt's: dropped
     timer = _StepTimer(runner, step_method)

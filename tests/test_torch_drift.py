@@ -1,0 +1,112 @@
+"""torch drift: every private torch name the package uses still exists, with the arguments we pass, on this torch.
+
+The table is `utils.torch_drift.TORCH_NAMES`; a scan of the package sources demands an entry for every private name
+the code spells out. A renamed or removed name fails here instead of silently switching a feature off.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from utils import torch_drift
+from utils.torch_drift import TORCH_NAMES, TorchName
+
+USES = torch_drift.find_private_uses()
+
+
+@pytest.mark.parametrize("name", sorted(TORCH_NAMES))
+def test_torch_still_has_the_private_name_with_the_arguments_we_pass(name):
+    found = torch_drift.problem(name, TORCH_NAMES[name])
+    if found is not None:
+        pytest.fail(torch_drift.drift_message(name, found), pytrace=False)
+
+
+def test_every_private_torch_name_in_the_package_has_an_entry():
+    unlisted = {
+        name: places[:3]
+        for name, places in USES.items()
+        if torch_drift.entry_for(name) is None and not torch_drift.is_public_op(name)
+    }
+    assert not unlisted, f"add these to TORCH_NAMES (utils/torch_drift.py), with what they are for: {unlisted}"
+
+
+def test_every_entry_is_still_used_by_the_package():
+    # Config options are passed as keywords or option keys, which the scan does not see: the next test checks them.
+    used = {torch_drift.entry_for(name) for name in USES}
+    stale = [name for name, entry in TORCH_NAMES.items() if entry.kind != "config" and name not in used]
+    assert not stale, f"no code of ours uses these any more: remove them from TORCH_NAMES: {stale}"
+
+
+def test_every_inductor_option_that_compile_config_for_cpu_passes_has_an_entry():
+    from transformers_flexcache import compile_config_for_cpu
+
+    options = set()
+    for kernels in ("auto", "onednn", "mkl"):
+        for int8 in ("fbgemm", "inductor", "library"):
+            for attention in ("inductor", "library"):
+                config = compile_config_for_cpu(linear_kernels=kernels, int8_linears=int8, decode_attention=attention)
+                options |= set(config.options)
+    listed = {name.rpartition(".")[2] for name in TORCH_NAMES if name.startswith("torch._inductor.config.")}
+    assert options <= listed, f"inductor options without an entry in TORCH_NAMES: {sorted(options - listed)}"
+
+
+def test_the_scan_finds_private_names_through_aliases_and_from_imports(tmp_path):
+    source = tmp_path / "module.py"
+    source.write_text(
+        "import torch\n"
+        "from torch._inductor.custom_graph_pass import CustomGraphPass\n"
+        "ops = torch.ops.aten\n"
+        "x = ops._int_mm.default\n"
+        "y = torch._dynamo.config.recompile_limit\n"
+        "z = torch.ops.aten.add.Tensor\n"
+        "w = torch.nn.functional.pad\n"
+    )
+    found = torch_drift.find_private_uses([str(source)])
+    assert set(found) == {
+        "torch._inductor.custom_graph_pass.CustomGraphPass",
+        "torch.ops.aten._int_mm.default",
+        "torch._dynamo.config.recompile_limit",
+        "torch.ops.aten.add.Tensor",
+    }
+    assert torch_drift.is_public_op("torch.ops.aten.add.Tensor")
+    assert not torch_drift.is_public_op("torch.ops.aten._int_mm.default")
+
+
+@pytest.mark.parametrize(
+    ("name", "entry", "breaks", "message"),
+    [
+        (
+            "torch._dynamo.eval_frame._stance",
+            TorchName("object", "test"),
+            lambda monkeypatch: monkeypatch.delattr(torch._dynamo.eval_frame, "_stance"),
+            "missing: AttributeError",
+        ),
+        (
+            "torch._inductor.config.freezing",
+            TorchName("config", "test"),
+            lambda monkeypatch: monkeypatch.delitem(torch._inductor.config._config, "freezing"),
+            "has no option 'freezing'",
+        ),
+        (
+            "torch._guards.detect_fake_mode",
+            TorchName("object", "test", ("inputs",)),
+            lambda monkeypatch: monkeypatch.setattr(torch._guards, "detect_fake_mode", lambda values=None: None),
+            "without ['inputs']",
+        ),
+        (
+            "torch.ops.mkldnn._linear_pointwise.default",
+            TorchName("op", "test", ("X", "W", "B", "post_op")),
+            lambda monkeypatch: None,
+            "ours assume",
+        ),
+    ],
+    ids=["renamed-attribute", "renamed-config-option", "renamed-parameter", "changed-schema"],
+)
+def test_the_guard_fails_on_a_renamed_name(monkeypatch, name, entry, breaks, message):
+    import torch._inductor.config  # noqa: F401
+
+    assert torch_drift.problem(name, TorchName(entry.kind, "test")) is None  # present as it is
+    breaks(monkeypatch)
+    found = torch_drift.problem(name, entry)
+    assert found is not None and message in found, found

@@ -1,0 +1,285 @@
+"""Every private torch name the package uses, what it is for, and a check that the installed torch still has it.
+
+torch keeps no promise for `torch._...`, `torch.ops.<namespace>._...` or inductor's and dynamo's config names: a
+minor release may rename one. Code that reads such a name behind `getattr(..., None)` then silently switches a
+feature off (VNNI detection once read `torch._C._cpu._is_vnni_supported`, which torch 2.13 does not have, and
+answered "no VNNI" on every CPU). So each name is an entry of `TORCH_NAMES`, `tests/test_torch_drift.py` checks every
+entry on the installed torch (it exists, and a function or op still takes the arguments we pass), and a scan of the
+package sources (`find_private_uses`) demands an entry for every private name the code spells out, so that a new use
+cannot skip the table. It lives outside the runtime package, as `utils/upstream_drift.py` does for transformers.
+
+Kinds of entry:
+- `"object"`: a module attribute (`torch._guards.detect_fake_mode`), imported and looked up; `args`, where given, are
+  parameter names its signature must have.
+- `"op"`: an operator overload (`torch.ops.mkldnn._linear_pointwise.default`); `args`, where given, are its schema's
+  argument names, in order (the positional calls in our graph passes depend on it).
+- `"config"`: an option of a config module (`torch._inductor.config.freezing`, passed in `compile_config.options`).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import inspect
+import os
+import re
+from dataclasses import dataclass
+
+# The top-level packages whose sources are scanned for private torch names.
+PACKAGES = ("transformers_flexcache", "model_overrides")
+
+
+@dataclass(frozen=True)
+class TorchName:
+    """One private torch name we use.
+
+    Args:
+        kind (`str`): `"object"`, `"op"` or `"config"` (see the module docstring).
+        used_for (`str`): what our code does with it, which the failure message repeats.
+        args (`tuple[str, ...]`): parameter or schema argument names it must take (empty: not checked).
+    """
+
+    kind: str
+    used_for: str
+    args: tuple[str, ...] = ()
+
+
+_PASSES = "our inductor graph passes (linear_kernels.py, decode_attention.py)"
+
+TORCH_NAMES: dict[str, TorchName] = {
+    # --- CPU facts are public (torch.cpu.get_capabilities, torch.backends.cpu.get_cpu_capability): no entry.
+    # --- dynamo
+    "torch._dynamo.config.recompile_limit": TorchName(
+        "config", "graphs dynamo keeps per function: warmup, the engine and serve raise it to their shape count"
+    ),
+    "torch._dynamo.config.accumulated_recompile_limit": TorchName(
+        "config", "the total of those graphs, raised with recompile_limit (serve, bench)"
+    ),
+    "torch._dynamo.config.patch": TorchName("object", "raising the recompile limits for the bench's run"),
+    "torch._dynamo.exc.FailOnRecompileLimitHit": TorchName("object", "warmup() turns it into a ValueError"),
+    "torch._dynamo.mark_static_address": TorchName(
+        "object", "cache tensors keep static addresses under CUDA graphs (cache/layers.py)", ("t", "guard")
+    ),
+    "torch._dynamo.decorators.mark_unbacked": TorchName(
+        "object", "the compiled encoder's rows, one graph for one row and more", ("t", "index")
+    ),
+    "torch._dynamo.reset": TorchName("object", "the bench drops one model's graphs before the next"),
+    "torch._dynamo.eval_frame._stance": TorchName(
+        "object", "step_guards='first' skips guards only under the default stance (generation.GuardsOfFirstStep)"
+    ),
+    "torch._dynamo.utils.counters": TorchName("object", "the bench counts graphs compiled"),
+    "torch._dynamo.utils.compilation_time_metrics": TorchName("object", "the bench's compile seconds"),
+    "torch._guards.detect_fake_mode": TorchName("object", f"fake values of new nodes in {_PASSES}", ("inputs",)),
+    "torch._guards.CompileContext": TorchName("object", "gc_heap tells collections during a compile apart"),
+    "torch._check": TorchName("object", "shape facts for the compiled encoder's dynamic dimensions", ("cond",)),
+    "torch.fx.experimental._config.use_duck_shape": TorchName(
+        "config", "the compiled encoder keeps rows and positions distinct symbols"
+    ),
+    "torch.fx.experimental._config.patch": TorchName("object", "setting use_duck_shape around the encoder's trace"),
+    # --- inductor
+    "torch._inductor.config.freezing": TorchName("config", "compile_config_for_cpu(): frozen, prepacked weights"),
+    "torch._inductor.config.joint_custom_post_pass": TorchName(
+        "config", "the int8 passes that run before freezing (Int8FbgemmMatmuls, Int8DotProducts, Int8FloatGemms)"
+    ),
+    "torch._inductor.config.post_grad_custom_post_pass": TorchName(
+        "config", "OneRowLinears, OneDNNLinears, Int8DotExpansion, OneQueryAttention after freezing"
+    ),
+    "torch._inductor.config.patch": TorchName("object", "trace-time inductor settings (padding.compile_settings)"),
+    "torch._inductor.custom_graph_pass.CustomGraphPass": TorchName("object", f"the base class of {_PASSES}"),
+    "torch._inductor.custom_graph_pass.get_hash_for_files": TorchName(
+        "object", "each pass's cache key (uuid): the hash of the file that defines it", ("paths", "extra")
+    ),
+    "torch._inductor.runtime.cache_dir_utils.cache_dir": TorchName("object", "the bench reports inductor's cache"),
+    "torch._prims_common.make_contiguous_strides_for": TorchName(
+        "object", "OneRowLinears stores its input contiguously", ("shape",)
+    ),
+    # --- operators our passes match or emit
+    "torch.ops.mkl._mkl_linear.default": TorchName(
+        "op",
+        "frozen fp32 linears that OneRowLinears and OneDNNLinears replace",
+        ("X", "MKL_W", "ORI_W", "B", "batch_size"),
+    ),
+    "torch.ops.mkldnn._reorder_linear_weight.default": TorchName(
+        "op", "SharedOneDNNWeights packs a frozen weight for oneDNN", ("self", "batch_size")
+    ),
+    "torch.ops.mkldnn._linear_pointwise.default": TorchName(
+        "op", "OneDNNLinears' oneDNN linear", ("X", "W", "B", "attr", "scalars", "algorithm")
+    ),
+    "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default": TorchName(
+        "op",
+        "OneQueryAttention replaces it in decode graphs",
+        ("query", "key", "value", "dropout_p", "is_causal", "attn_mask", "scale"),
+    ),
+    "torch.ops.aten._int_mm.default": TorchName(
+        "op", "torchao's int8 linears, which the int8 passes match", ("self", "mat2")
+    ),
+    "torch.ops.aten._unsafe_view.default": TorchName("op", "export rewrites read through views", ("self", "size")),
+    "torch.ops.prims.inductor_force_stride_order.default": TorchName(
+        "op", "a buffer realized once in OneRowLinears and Int8DotExpansion", ("input", "stride")
+    ),
+    "torch.ops.prims.convert_element_type.default": TorchName("op", f"dtype casts in {_PASSES}", ("a", "dtype")),
+    "torch.ops.quantized.linear_prepack": TorchName("object", "FBGEMM's packed int8 weights (Int8FbgemmMatmuls)"),
+    "torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32.default": TorchName(
+        "op", "FBGEMM's int8 GEMM that int8_fbgemm_mm calls", ("X", "X_scale", "X_zero_point", "W_prepack")
+    ),
+    # --- other private functions
+    "torch._int_mm": TorchName("object", "int8_dot_products' eager kernel"),
+    "torch._make_per_tensor_quantized_tensor": TorchName("object", "int8 weights as qint8 for FBGEMM"),
+    "torch._C.DisableTorchFunctionSubclass": TorchName(
+        "object", "calling FBGEMM's op without a Python dispatch check"
+    ),
+    "torch.nn.modules.conv._ConvNd": TorchName(
+        "object", "quantize() leaves convolutions (Whisper's front end) in float"
+    ),
+}
+
+
+def resolve(name: str):
+    """The object at dotted `name`: the longest importable module prefix, then attributes (operators through
+    `torch.ops`, which loads inductor's `prims` first).
+
+    Raises:
+        ImportError: no prefix of `name` is an importable module.
+        AttributeError: an attribute after the module is missing.
+    """
+    if name.startswith("torch.ops."):
+        importlib.import_module("torch._inductor.lowering")  # registers inductor's own prims
+    parts = name.split(".")
+    for split in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        for attribute in parts[split:]:
+            obj = getattr(obj, attribute)
+        return obj
+    raise ImportError(f"no module of {name!r} can be imported")
+
+
+def problem(name: str, entry: TorchName) -> str | None:
+    """What is wrong with `name` on the installed torch (missing, or without the arguments we pass), or None."""
+    try:
+        if entry.kind == "config":
+            module, _, option = name.rpartition(".")
+            config = importlib.import_module(module)
+            if option not in getattr(config, "_config", {}) and not hasattr(config, option):
+                return f"{module} has no option {option!r}"
+            return None
+        obj = resolve(name)
+    except (ImportError, AttributeError, RuntimeError) as error:
+        return f"missing: {type(error).__name__}: {error}"
+    if not entry.args:
+        return None
+    if entry.kind == "op":
+        found = tuple(argument.name for argument in obj._schema.arguments)
+        if found[: len(entry.args)] != entry.args:
+            return f"its schema's arguments are {found}, ours assume {entry.args}"
+        return None
+    try:
+        parameters = tuple(inspect.signature(obj).parameters)
+    except (TypeError, ValueError):
+        return f"its signature cannot be read, and ours assume the parameters {entry.args}"
+    missing = [arg for arg in entry.args if arg not in parameters]
+    return f"its parameters are {parameters}, without {missing}" if missing else None
+
+
+def drift_message(name: str, found: str) -> str:
+    entry = TORCH_NAMES[name]
+    import torch
+
+    return (
+        f"{name} ({entry.kind}) on torch=={torch.__version__}: {found}. We use it for: {entry.used_for}. Find the "
+        "name that replaces it (torch's release notes, `git log -S` in pytorch), change our code to read it (guarded "
+        "for both supported torch releases), and update TORCH_NAMES (utils/torch_drift.py)"
+    )
+
+
+# --- the scan of our sources ---------------------------------------------------------------------------------------
+_PRIVATE = re.compile(r"(^|\.)_[A-Za-z0-9]")
+
+
+def _source_files() -> list[str]:
+    files = []
+    for package in PACKAGES:
+        spec = importlib.util.find_spec(package)
+        for root in spec.submodule_search_locations or []:
+            for folder, _, names in os.walk(root):
+                files += [os.path.join(folder, name) for name in sorted(names) if name.endswith(".py")]
+    return files
+
+
+def _dotted(node: ast.AST) -> str | None:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        return ".".join([node.id, *reversed(parts)])
+    return None
+
+
+def find_private_uses(files: list[str] | None = None) -> dict[str, list[str]]:
+    """`{torch name: ["file:line", ...]}` for every private torch name that our sources spell out: attribute chains
+    from `torch` with a private part or through `torch.ops`, also through a local alias of `torch.ops.<namespace>` or
+    of a name imported from a private torch module, and `from torch._x import y`. The longest chain is reported."""
+    found: dict[str, list[str]] = {}
+    for path in files if files is not None else _source_files():
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        aliases = {"torch": "torch"}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("torch"):
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    aliases[alias.asname or alias.name] = full
+                    if _PRIVATE.search(full):
+                        found.setdefault(full, []).append(f"{path}:{node.lineno}")
+            elif isinstance(node, ast.Assign):
+                targets = node.targets[0].elts if isinstance(node.targets[0], ast.Tuple) else node.targets
+                values = node.value.elts if isinstance(node.value, ast.Tuple) else [node.value]
+                for target, value in zip(targets, values, strict=False):
+                    dotted = _dotted(value)
+                    if isinstance(target, ast.Name) and dotted and dotted.startswith("torch.ops."):
+                        aliases[target.id] = dotted
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute):
+                continue
+            dotted = _dotted(node)
+            if dotted is None:
+                continue
+            head, _, rest = dotted.partition(".")
+            if head not in aliases or (head == "torch" and not rest):
+                continue
+            full = aliases[head] + ("." + rest if rest else "")
+            if (full + ".").startswith("torch.ops.transformers_flexcache."):  # our own operators
+                continue
+            if full.startswith("torch.ops.") or _PRIVATE.search(full.removeprefix("torch.")):
+                found.setdefault(full, []).append(f"{path}:{node.lineno}")
+    # keep the longest chains: `torch._dynamo.config.recompile_limit` covers `torch._dynamo.config`
+    return {
+        name: places
+        for name, places in found.items()
+        if not any(other != name and other.startswith(name + ".") for other in found)
+    }
+
+
+def entry_for(name: str) -> str | None:
+    """The entry of `TORCH_NAMES` that covers a found `name`: itself, or the entry it is an overload or attribute
+    chain of (`torch.ops.mkl._mkl_linear` is covered by `torch.ops.mkl._mkl_linear.default`, and
+    `torch.ops.aten.add.Tensor` by nothing: public aten ops need no entry)."""
+    if name in TORCH_NAMES:
+        return name
+    for entry in TORCH_NAMES:
+        if entry.startswith(name + ".") or name.startswith(entry + "."):
+            return entry
+    return None
+
+
+def is_public_op(name: str) -> bool:
+    """`torch.ops.aten.<op>.<overload>` with a public op name (`aten.add.Tensor`, `aten.__rshift__.Scalar`): the
+    operator library's API."""
+    parts = name.split(".")
+    if parts[:3] != ["torch", "ops", "aten"] or len(parts) < 4:
+        return False
+    return not parts[3].startswith("_") or (parts[3].startswith("__") and parts[3].endswith("__"))

@@ -1,11 +1,20 @@
 """`quantize(model, "int8")`: CTranslate2's int8 scheme with torchao, refused with the reason where it cannot apply.
 
 The reference of a quantized model is the same quantized model run eagerly with upstream's DynamicCache: random
-weights make int8 tokens differ from fp32's, so fp32 is not the oracle here. The override in eager mode computes what
-upstream computes (scores within float tolerance). Compiled int8 (frozen inductor: int8 GEMMs with the scales folded
-in), and padded shapes in eager mode, sum the float parts in another order; where that moves an activation across an
-int8 rounding boundary, a score moves by about a quantization step: tokens must be equal, each step's scores within
-`INT8_RTOL` of its largest score.
+weights make int8 tokens differ from fp32's, so fp32 is not the oracle here. The override in eager mode at the call's
+own shapes computes what upstream computes. Compiled int8 (frozen inductor: int8 GEMMs with the scales folded in),
+and padded shapes in eager mode, compute the float activations that int8 quantizes in another order (and the
+compiled graph quantizes them in its own kernels); where an activation lands on the other side of an int8 rounding
+boundary, scores move by about a quantization step. Such moves stay below what quantizing every weight and activation
+moves the model's scores from float32, which `int8_atol` measures on the running machine, on the same inputs (the
+float32 model against its int8 copy, eagerly): measured on an AMD EPYC Zen 4 (VNNI), one thread, the moves were 0.06
+to 0.83 of it (T5, Marian, Llama; 7 and 8 bits; oneDNN's and FBGEMM's kernels). So scores are within `INT8_MARGIN`
+times it, up to the step where a row's tokens part, and tokens may part only at a step whose scores are within it
+(`assert_int8_scores`): no tolerance here is tuned to one CPU (issue 46).
+
+Every CPU-dependent route runs on every machine that can run it: the CPU's answers are forced (`cpu.forced`) where a
+route is right on any CPU (7-bit weights through oneDNN's, FBGEMM's or inductor's kernels), and the 8-bit route
+through oneDNN's kernels runs where the CPU has VNNI, and says which CPU it skipped on elsewhere.
 """
 
 from __future__ import annotations
@@ -18,9 +27,9 @@ import torch
 from torch._dynamo.testing import CompileCounter
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from tests.helpers import assert_same_generation, counting_compile_config, generate_both, python_calls
+from tests.helpers import counting_compile_config, generate_both, own_copy, python_calls, score_difference
 from tests.model_cases import JAMBA, LLAMA, MARIAN, T5
-from transformers_flexcache import compile_config_for_cpu, quantize
+from transformers_flexcache import compile_config_for_cpu, cpu, quantize
 from transformers_flexcache.cache.placement import cross_attention_projections
 from transformers_flexcache.compiled_encoder import (
     FlexCompileConfig,
@@ -28,52 +37,52 @@ from transformers_flexcache.compiled_encoder import (
     cross_attention_projector,
     has_int8_variants,
 )
-from transformers_flexcache.linear_kernels import FBGEMM_MIN_OUTPUTS, Int8FloatGemms, has_fbgemm, int8_fbgemm_mm
+from transformers_flexcache.linear_kernels import (
+    FBGEMM_MIN_OUTPUTS,
+    Int8FloatGemms,
+    has_fbgemm,
+    int8_fbgemm_mm,
+    resolve_int8_linears,
+)
 from transformers_flexcache.quantization import int8_bits, quantization_of
 
 pytest.importorskip("torchao")
 
-# int8 scores of the override and of upstream, both eager, differ only by float summation order.
-INT8_ATOL = 1e-4
-# Padded or compiled against eager int8: an activation rounded to the next int8 value moves scores by about a
-# quantization step (measured on the tiny T5, padded, eager and compiled alike: 0.183 on scores up to 18.7, 1%, at 8
-# bits). At 7 bits (CPUs without VNNI) a step is twice as large, and the moves grow from layer to layer: measured on
-# an AMD EPYC Zen 3, T5 0.396 on 17.0 (2.3%), Marian 5.4% with the encoder eager, 7.4% compiled on oneDNN's int8
-# linears and 10.5% (0.868 on 8.25) on exact float32 GEMMs (slow tests), although that encoder's outputs are the
-# nearer to eager int8's (0.043 against 0.059 on outputs up to 3.1): which activation crosses a rounding boundary
-# moves with any float difference.
-INT8_RTOL = 0.02 if int8_bits() == 8 else 0.12
+INT8_MARGIN = 2.0  # stated in the module docstring: compiled and padded int8 moves are below int8's own movement
 
 
-def assert_int8_tokens(expected, sequences: torch.Tensor) -> None:
-    """`sequences` are the eager int8 reference's (`expected`, with scores), or part from them only where the
-    reference's top two scores were nearer than the int8 tolerance; before that step, scores within `INT8_RTOL` of
-    each step's largest score are checked by the callers that have them."""
-    want = expected.sequences
-    assert want.shape == sequences.shape, (want, sequences)
+def int8_atol(case, inputs: dict, expected, **kwargs) -> float:
+    """`INT8_MARGIN` times how far int8 moves upstream's own scores on `inputs` (`expected`: its eager int8 run with
+    DynamicCache, made with generation arguments `kwargs`) from its float32 model's (the same seeded weights),
+    measured here."""
+    floats, _ = case.build("sdpa")
+    kwargs = {key: value for key, value in kwargs.items() if key not in ("compile_config", "cache_config")}
+    kwargs.pop("cache_implementation", None)
+    torch.manual_seed(0)
+    reference = floats.generate(**own_copy(inputs), **kwargs, output_scores=True, return_dict_in_generate=True)
+    return INT8_MARGIN * score_difference(expected, reference)
+
+
+def eager_int8(upstream, case, inputs: dict, **kwargs):
+    """`upstream`'s eager int8 run of `inputs` (DynamicCache) with scores, and its tolerance (`int8_atol`)."""
+    torch.manual_seed(0)
+    expected = upstream.generate(**own_copy(inputs), **kwargs, output_scores=True, return_dict_in_generate=True)
+    return expected, int8_atol(case, inputs, expected, **kwargs)
+
+
+def assert_int8_scores(expected, actual, atol: float) -> None:
+    """Each step's scores within `atol` (`int8_atol`) of the eager int8 reference's, up to and including the first
+    step at which a row's tokens part; tokens part nowhere else."""
     new = len(expected.scores)
-    for row in range(want.shape[0]):
-        differing = (want[row, -new:] != sequences[row, -new:]).nonzero()
-        if len(differing) == 0:
-            continue
-        step = differing[0].item()
-        scores = expected.scores[step][row]
-        finite = scores[torch.isfinite(scores)]
-        top = finite.topk(2).values
-        margin, limit = (top[0] - top[1]).item(), INT8_RTOL * finite.abs().max().item()
-        assert margin < limit, f"row {row} parts at step {step} at a margin of {margin:.3g} (limit {limit:.3g})"
-
-
-def assert_int8_scores(expected, actual) -> None:
-    """Each step's scores within `INT8_RTOL` of its largest, up to the first step where a row's tokens part."""
-    assert_int8_tokens(expected, actual.sequences)
-    new = len(expected.scores)
+    assert expected.sequences.shape == actual.sequences.shape, (expected.sequences, actual.sequences)
+    assert torch.equal(expected.sequences[:, :-new], actual.sequences[:, :-new])  # the prompt
     for step, (want, got) in enumerate(zip(expected.scores, actual.scores, strict=True)):
         finite = torch.isfinite(want)
-        assert torch.equal(finite, torch.isfinite(got))
-        assert (want[finite] - got[finite]).abs().max() <= INT8_RTOL * want[finite].abs().max()
+        assert torch.equal(finite, torch.isfinite(got)), f"step {step}: -inf pattern differs"
+        difference = (want[finite] - got[finite]).abs().max().item()
+        assert difference <= atol, f"step {step}: scores differ by {difference:.3g} (int8 tolerance {atol:.3g})"
         if not torch.equal(expected.sequences[:, step - new], actual.sequences[:, step - new]):
-            break
+            return  # later steps continue other sequences
 
 
 @pytest.fixture(autouse=True)
@@ -109,14 +118,11 @@ def test_every_linear_is_int8_and_embeddings_and_norms_stay_float(case):
 
 
 @pytest.mark.parametrize("bits", [7, 8])
-def test_int8_weights_use_7_bits_where_the_cpu_has_no_vnni(monkeypatch, caplog, bits):
+def test_int8_weights_use_7_bits_where_the_cpu_has_no_vnni(caplog, bits):
     # oneDNN's int8 GEMMs saturate 16-bit sums at 8 bits on CPUs without VNNI (AVX2): quantize() asks torchao for
     # 7-bit ranges there. Both sides are forced here, so each runs on every CPU.
-    import torchao.utils
-
-    monkeypatch.setattr(torchao.utils, "should_reduce_range", lambda device: bits == 7)
-    assert int8_bits() == bits
-    with caplog.at_level("WARNING", logger="transformers_flexcache.quantization"):
+    with cpu.forced(vnni=bits == 8), caplog.at_level("WARNING", logger="transformers_flexcache.quantization"):
+        assert int8_bits() == bits
         upstream, _ = quantized_pair(LLAMA)
     # ... and says there that int8 runs slower than float32 on such a CPU
     assert ("this CPU has no VNNI" in caplog.text) == (bits == 7)
@@ -127,10 +133,12 @@ def test_int8_weights_use_7_bits_where_the_cpu_has_no_vnni(monkeypatch, caplog, 
     assert (low, high) == ((-64, 63) if bits == 7 else (-128, 127))
 
 
-def test_the_bits_follow_torchaos_check_of_this_cpu():
+def test_the_bits_follow_this_cpus_vnni_as_torchaos_check_does():
     from torchao.utils import should_reduce_range
 
-    assert int8_bits() == (7 if should_reduce_range(torch.device("cpu")) else 8)
+    assert int8_bits() == (8 if cpu.detected().vnni else 7)
+    if "amx_int8" not in cpu.detected().flags:  # torchao reads AVX512-VNNI alone
+        assert int8_bits() == (7 if should_reduce_range(torch.device("cpu")) else 8)
 
 
 @pytest.mark.parametrize("case", [T5, MARIAN, LLAMA], ids=lambda case: case.name)
@@ -139,10 +147,14 @@ def test_int8_flexible_cache_generates_the_eager_int8_dynamic_cache_tokens(case)
     generator = torch.Generator().manual_seed(0)
     for batch_size, length in [(3, 7), (1, 4)]:
         inputs = case.make_inputs(batch_size, length, generator)
+        common = {"max_new_tokens": 5, "do_sample": False}
         expected, actual = generate_both(
-            upstream, flex, inputs, cache_config=cache_config_for(case, "exact"), max_new_tokens=5, do_sample=False
+            upstream, flex, inputs, cache_config=cache_config_for(case, "exact"), **common
         )
-        assert_same_generation(expected, actual, atol=INT8_ATOL)
+        # at the call's own shapes: upstream's tokens, and its scores bit for bit or within int8's tolerance
+        assert torch.equal(expected.sequences, actual.sequences)
+        if score_difference(expected, actual) > 0:
+            assert_int8_scores(expected, actual, int8_atol(case, inputs, expected, **common))
 
 
 def _compiled_int8_stream(case, shape_policy: str):
@@ -159,7 +171,7 @@ def _compiled_int8_stream(case, shape_policy: str):
             do_sample=False,
             compile_config=compile_config_for_cpu(),
         )
-        assert_int8_scores(expected, actual)
+        assert_int8_scores(expected, actual, int8_atol(case, inputs, expected, max_new_tokens=5, do_sample=False))
 
 
 def test_compiled_int8_padded_t5_generates_the_eager_int8_dynamic_cache_tokens():
@@ -197,7 +209,7 @@ def test_a_compiled_int8_call_projects_cross_attention_in_graphs_of_their_own():
                 **common,
             )
         assert calls == [], (batch_size, length)
-        assert_int8_scores(expected, actual)
+        assert_int8_scores(expected, actual, int8_atol(T5, inputs, expected, **common))
     # the decode step; the encoder and the projections (their rows unbacked: one graph each for a single row and more)
     assert counter.frame_count == 1 + 1 + 1
 
@@ -214,15 +226,13 @@ def test_float32_cross_attention_projections_stay_eager():
 
 
 def int8_requests(upstream, case, *, seed: int, new_tokens: int) -> tuple[list, dict, list]:
-    """Four one-row requests of `case` (4, 6, 8, 10 positions), their greedy arguments, and the eager int8 reference's
-    outputs (`upstream`, with scores)."""
+    """Four one-row requests of `case` (4, 6, 8, 10 positions), their greedy arguments (with scores), and the eager
+    int8 reference's outputs and tolerances (`eager_int8`)."""
     generator = torch.Generator().manual_seed(seed)
     stream = [case.make_inputs(1, 4 + 2 * i, generator) for i in range(4)]
     common = {"max_new_tokens": new_tokens, "do_sample": False}
-    expected = [
-        upstream.generate(**inputs, **common, output_scores=True, return_dict_in_generate=True) for inputs in stream
-    ]
-    return stream, common, expected
+    expected = [eager_int8(upstream, case, inputs, **common) for inputs in stream]
+    return stream, {**common, "output_scores": True, "return_dict_in_generate": True}, expected
 
 
 def test_a_compiled_engine_projects_int8_requests_cross_attention_in_its_warmed_up_graphs():
@@ -242,8 +252,8 @@ def test_a_compiled_engine_projects_int8_requests_cross_attention_in_its_warmed_
             outputs = [handle.result(timeout=120) for handle in handles]
     assert warm == 1 + 1 + 1  # the decode step; the encoder and the projections (every rows)
     assert counter.frame_count == warm and calls == []
-    for want, got in zip(expected, outputs, strict=True):
-        assert_int8_tokens(want, got)
+    for (want, atol), got in zip(expected, outputs, strict=True):
+        assert_int8_scores(want, got, atol)
 
 
 def recording_compile_config(compiled: list) -> FlexCompileConfig:
@@ -267,6 +277,7 @@ def test_an_int8_encoder_runs_float_gemms_up_to_128_positions_and_the_library_s_
     # Float32 GEMMs of the integers beat oneDNN's int8 linears on a CPU without VNNI at few rows, and lose at many
     # (compiled_encoder.py): the compiled encoder has one compile of each, chosen by the call's batch x positions.
     _, flex = quantized_pair(T5)
+    floats, _ = T5.build("sdpa")  # the same weights in float32: what int8 moves the encoder's states by
     compiled = []
     encoder = compiled_encoder(flex, recording_compile_config(compiled))
     generator = torch.Generator().manual_seed(0)
@@ -282,8 +293,10 @@ def test_an_int8_encoder_runs_float_gemms_up_to_128_positions_and_the_library_s_
         with torch.no_grad():
             out = encoder(input_ids=ids, attention_mask=torch.ones_like(ids), return_dict=True)
             want = flex.get_encoder()(input_ids=ids, attention_mask=torch.ones_like(ids), return_dict=True)
+            unquantized = floats.get_encoder()(input_ids=ids, attention_mask=torch.ones_like(ids), return_dict=True)
         assert compiled[before:] == expected, (batch, positions)
-        torch.testing.assert_close(out.last_hidden_state, want.last_hidden_state)
+        movement = (want.last_hidden_state - unquantized.last_hidden_state).abs().max().item()
+        assert (out.last_hidden_state - want.last_hidden_state).abs().max().item() <= INT8_MARGIN * movement
 
 
 def test_warmups_compile_both_kernels_of_an_int8_encoder_so_that_no_call_compiles():
@@ -313,7 +326,7 @@ def test_warmups_compile_both_kernels_of_an_int8_encoder_so_that_no_call_compile
         expected, actual = generate_both(
             upstream, flex, inputs, cache_config=config, compile_config=compile_config, **common
         )
-        assert_int8_scores(expected, actual)
+        assert_int8_scores(expected, actual, int8_atol(T5, inputs, expected, **common))
     assert len(compiled) == 5, compiled
     torch._dynamo.reset()
     compiled.clear()
@@ -321,12 +334,12 @@ def test_warmups_compile_both_kernels_of_an_int8_encoder_so_that_no_call_compile
         engine.warmup()
         assert sorted(compiled) == ["float_gemms"] * 3 + ["library"] * 2
         stream = [T5.make_inputs(1, 36 + i, generator) for i in range(4)]
-        outputs = [handle.result(timeout=120) for handle in [engine.submit(**inputs, **common) for inputs in stream]]
+        scored = {**common, "output_scores": True, "return_dict_in_generate": True}
+        outputs = [handle.result(timeout=120) for handle in [engine.submit(**inputs, **scored) for inputs in stream]]
     assert len(compiled) == 5  # no request compiled
     for inputs, got in zip(stream, outputs, strict=True):
-        assert_int8_tokens(
-            upstream.generate(**inputs, **common, output_scores=True, return_dict_in_generate=True), got
-        )
+        want, atol = eager_int8(upstream, T5, inputs, **common)
+        assert_int8_scores(want, got, atol)
 
 
 def compiled_int_mm(
@@ -478,57 +491,66 @@ def test_fbgemm_int8_encoders_compile_once_for_every_size():
     assert has_int8_variants(flex, compile_config_for_cpu(int8_linears="inductor"))
 
 
-@pytest.fixture
-def seven_bits(monkeypatch):
-    """`quantize` makes 7-bit weights, as on a CPU without VNNI, whichever CPU runs the test."""
-    import torchao.utils
-
-    monkeypatch.setattr(torchao.utils, "should_reduce_range", lambda device: True)
-
-
-# "library" and "inductor" under -m slow (86 s here): `"auto"` resolves to "library" on CPUs with VNNI and to "fbgemm"
-# elsewhere (x86 wheels of torch have FBGEMM), whose run takes "inductor"'s dot products for its 1-2 row decode steps;
-# "inductor"'s dot products at up to 8 rows equal `_int_mm` bit for bit and its float GEMMs of the encoder side are
-# checked against the eager encoder, in tests above.
-@pytest.mark.parametrize(
-    "int8_linears",
-    [
-        pytest.param("inductor", marks=pytest.mark.slow),
-        pytest.param("fbgemm", marks=needs_fbgemm),
-        pytest.param("library", marks=pytest.mark.slow),
-    ],
+needs_vnni = pytest.mark.skipif(
+    not cpu.detected().vnni,
+    reason="8-bit int8 through oneDNN's kernels is right only on a CPU with AVX512-VNNI or AMX; this one: "
+    + cpu.detected().describe(),
 )
-def test_compiled_int8_dot_products_and_fbgemm_generate_the_eager_int8_dynamic_cache_tokens(seven_bits, int8_linears):
-    # Forced on (the default where the CPU has no VNNI is FBGEMM's): "inductor" runs the decode steps as dot
-    # products and the encoder and cross-attention projections as float GEMMs, no library int8 linear but the one
-    # whose 37 features (the tiny T5's second feed-forward linear) are no multiple of 4; "fbgemm" all but the decode
-    # steps of 1-2 rows on FBGEMM, and no library int8 linear at all; "library" oneDNN's (or `_int_mm`), which the
-    # profile sees.
-    upstream, flex = quantized_pair(T5)
-    inputs = T5.make_inputs(3, 7, torch.Generator().manual_seed(0))
-    common = {"max_new_tokens": 5, "do_sample": False, "return_dict_in_generate": True, "output_scores": True}
-    expected = upstream.generate(**inputs, **common)
-    compile_config = compile_config_for_cpu(int8_linears=int8_linears)
-    for _ in range(2):  # the second call, compiled
-        with torch.profiler.profile(record_shapes=True) as profile:
-            actual = flex.generate(
-                **inputs,
-                **common,
-                cache_implementation="flexible_static",
-                cache_config=cache_config_for(T5, "padded"),
-                compile_config=compile_config,
-            )
-    assert_int8_scores(expected, actual)
-    # a library int8 linear: oneDNN's (frozen) or `_int_mm` (whichever this CPU's inductor picks), in a decode step
-    # (up to 8 rows) or in the encoder and cross-attention projections (more)
+
+
+# Every route that `int8_linears="auto"` can take, each on every CPU where it can be right: the CPU's VNNI is forced
+# when the model is quantized (7 or 8 bits) and when it compiles (which kernels "auto" picks). 7-bit weights are exact
+# on every kernel, so oneDNN's route (a VNNI CPU's) runs everywhere; 8-bit weights through oneDNN only where the CPU
+# has VNNI. "inductor" (never "auto" on an x86 torch, which has FBGEMM) and oneDNN's route on T5 run under -m slow.
+INT8_ROUTES = [
+    pytest.param(T5, False, False, "auto", id="7-bit-fbgemm-where-no-vnni", marks=needs_fbgemm),
+    pytest.param(LLAMA, False, True, "auto", id="7-bit-onednn-where-vnni"),
+    pytest.param(T5, True, True, "auto", id="8-bit-onednn-on-a-vnni-cpu", marks=needs_vnni),
+    pytest.param(T5, False, True, "auto", id="7-bit-onednn-t5", marks=pytest.mark.slow),
+    pytest.param(T5, False, False, "inductor", id="7-bit-inductor", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize(("case", "quantized_with_vnni", "compiled_with_vnni", "int8_linears"), INT8_ROUTES)
+def test_each_compiled_int8_route_generates_the_eager_int8_tokens(
+    case, quantized_with_vnni, compiled_with_vnni, int8_linears
+):
+    # "fbgemm" runs all but the decode steps of 1-2 rows on FBGEMM, and no library int8 linear at all; "inductor"
+    # the decode steps as dot products and the encoder and cross-attention projections as float GEMMs, no library
+    # int8 linear but the one whose 37 features (the tiny T5's second feed-forward linear) are no multiple of 4;
+    # "library" oneDNN's (or `_int_mm`), which the profile sees.
+    with cpu.forced(vnni=quantized_with_vnni):
+        upstream, flex = quantized_pair(case)
+    inputs = case.make_inputs(3, 7, torch.Generator().manual_seed(0))
+    common = {"max_new_tokens": 5, "do_sample": False}
+    expected, atol = eager_int8(upstream, case, inputs, **common)
+    with cpu.forced(vnni=compiled_with_vnni):
+        route = resolve_int8_linears(int8_linears)
+        compile_config = compile_config_for_cpu(int8_linears=int8_linears)
+        for _ in range(2):  # the second call, compiled
+            with torch.profiler.profile(record_shapes=True) as profile:
+                actual = flex.generate(
+                    **inputs,
+                    **common,
+                    output_scores=True,
+                    return_dict_in_generate=True,
+                    cache_implementation="flexible_static",
+                    cache_config=cache_config_for(case, "padded"),
+                    compile_config=compile_config,
+                )
+    assert route == ("library" if compiled_with_vnni else "fbgemm") or int8_linears != "auto"
+    assert_int8_scores(expected, actual, atol)
+    # a library int8 linear: oneDNN's (frozen) or `_int_mm` (whichever this CPU's inductor picks, and eager
+    # prefills), in a decode step (up to 8 rows) or in the encoder and cross-attention projections (more)
     library_ops = ("onednn::qlinear_pointwise", "aten::_int_mm")
     events = profile.key_averages(group_by_input_shape=True)
     fbgemm_calls = sum(event.count for event in events if event.key == FBGEMM_OP)
     library = [(event.input_shapes[0], event.count) for event in events if event.key in library_ops]
-    if int8_linears == "library":
-        assert any(shape[0] > 8 for shape, _ in library) and any(shape[0] <= 8 for shape, _ in library), library
+    if route == "library":
+        assert any(shape[0] <= 8 for shape, _ in library), library
+        assert not case.build_config().is_encoder_decoder or any(shape[0] > 8 for shape, _ in library), library
         assert fbgemm_calls == 0
-    elif int8_linears == "inductor":
+    elif route == "inductor":
         assert library and all(shape[0] <= 8 and shape[1] == 37 for shape, _ in library), library
         assert fbgemm_calls == 0
     else:
@@ -610,36 +632,35 @@ def test_the_serving_engine_serves_an_int8_model_as_its_eager_int8_generate(case
     with Engine(flex, cache_config=capacities) as engine:
         handles = [engine.submit(**inputs, **common) for inputs in stream]
         outputs = [handle.result(timeout=120) for handle in handles]
-    for want, got in zip(expected, outputs, strict=True):
-        assert_int8_tokens(want, got)
+    for (want, atol), got in zip(expected, outputs, strict=True):
+        assert_int8_scores(want, got, atol)
 
 
-def test_8_bit_int8_weights_are_refused_for_a_compiled_call_on_a_cpu_without_vnni(monkeypatch):
+def test_8_bit_int8_weights_are_refused_for_a_compiled_call_on_a_cpu_without_vnni():
     # A model quantized at 8 bits (on a CPU with VNNI) and compiled where the int8 kernels saturate: refused before the
     # call leases a cache or compiles; the eager call, and 7-bit weights, still run. Both CPUs are forced here.
-    import torchao.utils
-
     import transformers_flexcache.quantization as quantization
     from transformers_flexcache.serving import Engine
 
-    monkeypatch.setattr(torchao.utils, "should_reduce_range", lambda device: False)
-    upstream, flex = quantized_pair(LLAMA)
-    monkeypatch.setattr(quantization, "cpu_has_vnni", lambda: False)
+    with cpu.forced(vnni=True):
+        upstream, flex = quantized_pair(LLAMA)
     inputs = LLAMA.make_inputs(2, 5, torch.Generator().manual_seed(0))
     cache_config = cache_config_for(LLAMA, "padded")
-    compiled = {"cache_implementation": "flexible_static", "cache_config": cache_config, "max_new_tokens": 3}
-    with pytest.raises(ValueError, match=r"8-bit ranges, which oneDNN's compiled int8 kernels saturate on this CPU"):
-        flex.generate(**inputs, **compiled, compile_config=compile_config_for_cpu())
-    assert flex.flexible_cache is None  # nothing was leased
-    with pytest.raises(ValueError, match=r"quantize the float model on this machine"):
-        engine_capacities = {"shape_policy": "padded", "max_batch_size": 4, "max_cache_len": 16}
-        Engine(flex, cache_config=engine_capacities, compile_config=compile_config_for_cpu())
-    expected = upstream.generate(
-        **inputs, max_new_tokens=3, do_sample=False, output_scores=True, return_dict_in_generate=True
-    )
-    assert_int8_tokens(expected, flex.generate(**inputs, **compiled, do_sample=False))  # eager: no int8 GEMM kernel
+    common = {"max_new_tokens": 3, "do_sample": False}
+    compiled = {"cache_implementation": "flexible_static", "cache_config": cache_config, **common}
+    with cpu.forced(vnni=False):
+        with pytest.raises(
+            ValueError, match=r"8-bit ranges, which oneDNN's compiled int8 kernels saturate on this CPU"
+        ):
+            flex.generate(**inputs, **compiled, compile_config=compile_config_for_cpu())
+        assert flex.flexible_cache is None  # nothing was leased
+        with pytest.raises(ValueError, match=r"quantize the float model on this machine"):
+            engine_capacities = {"shape_policy": "padded", "max_batch_size": 4, "max_cache_len": 16}
+            Engine(flex, cache_config=engine_capacities, compile_config=compile_config_for_cpu())
+        expected, atol = eager_int8(upstream, LLAMA, inputs, **common)
+        actual = flex.generate(**inputs, **compiled, output_scores=True, return_dict_in_generate=True)
+        assert_int8_scores(expected, actual, atol)  # eager: no int8 GEMM kernel
 
-    monkeypatch.setattr(torchao.utils, "should_reduce_range", lambda device: True)
-    _, seven_bits = quantized_pair(LLAMA)
-    quantization.check_compiled_int8(seven_bits)  # 7-bit weights: no error
-    quantization.check_compiled_int8(LLAMA.build("sdpa")[1])  # a float model: no error
+        _, seven_bits = quantized_pair(LLAMA)
+        quantization.check_compiled_int8(seven_bits)  # 7-bit weights: no error
+        quantization.check_compiled_int8(LLAMA.build("sdpa")[1])  # a float model: no error

@@ -40,7 +40,9 @@ def test_get_kv_returns_views_equal_to_what_a_dynamic_cache_holds(batch_size, le
         assert keys.data_ptr() == flex.layers[layer_idx].storages()[0].data_ptr(), (
             "get_kv must return a view, not a copy"
         )
-        torch.testing.assert_close((keys, values), (dynamic.layers[layer_idx].keys, dynamic.layers[layer_idx].values))
+        torch.testing.assert_close(
+            (keys, values), (dynamic.layers[layer_idx].keys, dynamic.layers[layer_idx].values), rtol=0, atol=0
+        )
     assert flex.get_seq_length() == dynamic.get_seq_length() == total
     assert flex.get_mask_sizes(1, 0) == dynamic.get_mask_sizes(1, 0)
 
@@ -54,7 +56,7 @@ def test_reset_keeps_the_storage_and_a_smaller_call_never_sees_what_a_larger_one
     small_keys, small_values = _kv(2, 3, seed=2)
     keys, values = cache.update(small_keys, small_values, 0)
     assert keys.shape == (2, 2, 3, 8)
-    torch.testing.assert_close((keys, values), (small_keys, small_values))
+    torch.testing.assert_close((keys, values), (small_keys, small_values), rtol=0, atol=0)
     assert cache.data_ptrs() == pointers
     assert cache.num_allocations == 1
 
@@ -86,12 +88,14 @@ def test_update_over_capacity_with_error_raises_before_writing_and_the_cache_sta
     ):
         cache.update(more_keys, more_values, 0)
     assert cache.get_seq_length(0) == 15
-    torch.testing.assert_close(cache.get_kv(0, 2, 15), (keys, values))
+    torch.testing.assert_close(cache.get_kv(0, 2, 15), (keys, values), rtol=0, atol=0)
     with pytest.raises(ValueError, match=r"batch_size=5 exceeds max_batch_size=4"):
         cache.early_initialization(5, 2, 8, torch.float32, "cpu")
     one_keys, one_values = _kv(2, 1, seed=5)
     got = cache.update(one_keys, one_values, 0)
-    torch.testing.assert_close(got, (torch.cat([keys, one_keys], 2), torch.cat([values, one_values], 2)))
+    torch.testing.assert_close(
+        got, (torch.cat([keys, one_keys], 2), torch.cat([values, one_values], 2)), rtol=0, atol=0
+    )
 
 
 def test_update_over_capacity_grows_geometrically_once_and_keeps_live_content(caplog):
@@ -104,7 +108,9 @@ def test_update_over_capacity_grows_geometrically_once_and_keeps_live_content(ca
     assert 'cache_config={"max_cache_len": 18}' in caplog.text
     # 18 positions are needed; the capacity at least doubles, so that growing token by token stays rare.
     assert cache.max_cache_len == 2 * 16 and cache.num_allocations == 2
-    torch.testing.assert_close(got, (torch.cat([keys, more_keys], 2), torch.cat([values, more_values], 2)))
+    torch.testing.assert_close(
+        got, (torch.cat([keys, more_keys], 2), torch.cat([values, more_values], 2)), rtol=0, atol=0
+    )
 
 
 def test_a_continuation_token_by_token_past_capacity_reallocates_a_logarithmic_number_of_times():
@@ -117,7 +123,7 @@ def test_a_continuation_token_by_token_past_capacity_reallocates_a_logarithmic_n
         written.append(keys)
     # 16 -> 32 -> 64 -> 128 -> 256: four growths for 200 tokens, not 184.
     assert cache.num_allocations == 1 + 4
-    torch.testing.assert_close(cache.get_kv(0, 2, 200)[0], torch.cat(written, 2))
+    torch.testing.assert_close(cache.get_kv(0, 2, 200)[0], torch.cat(written, 2), rtol=0, atol=0)
 
 
 def test_a_different_batch_without_reset_is_refused_without_writing():
@@ -155,7 +161,9 @@ def test_beam_reorder_permutes_live_rows_like_dynamic_cache():
     beam_idx = torch.tensor([2, 0, 0])
     flex.reorder_cache(beam_idx)
     dynamic.reorder_cache(beam_idx)
-    torch.testing.assert_close(flex.get_kv(0, 3, 4), (dynamic.layers[0].keys, dynamic.layers[0].values))
+    torch.testing.assert_close(
+        flex.get_kv(0, 3, 4), (dynamic.layers[0].keys, dynamic.layers[0].values), rtol=0, atol=0
+    )
 
 
 # --- linear-attention (Mamba) layers, on the Jamba test config: layer 0 Mamba, layer 1 attention -----------------
@@ -346,7 +354,7 @@ def test_padded_update_returns_the_whole_capacity_and_matches_dynamic_cache_wher
             assert got_keys.shape == (batch_size, 2, MAX_LEN, 8)
             written = want_keys.shape[2]
             torch.testing.assert_close(
-                (got_keys[:, :, :written], got_values[:, :, :written]), (want_keys, want_values)
+                (got_keys[:, :, :written], got_values[:, :, :written]), (want_keys, want_values), rtol=0, atol=0
             )
             assert not got_keys[:, :, written:].any(), "positions not written yet must hold zeros"
     assert isinstance(flex.get_seq_length(), torch.Tensor) and flex.get_seq_length().item() == sum(lengths)
@@ -410,7 +418,9 @@ def test_padded_beam_reorder_permutes_rows_like_dynamic_cache_and_keeps_the_addr
     beam_idx = torch.tensor([2, 0, 0])
     flex.reorder_cache(beam_idx)
     dynamic.reorder_cache(beam_idx)
-    torch.testing.assert_close(flex.get_kv(0, 3, 4), (dynamic.layers[0].keys, dynamic.layers[0].values))
+    torch.testing.assert_close(
+        flex.get_kv(0, 3, 4), (dynamic.layers[0].keys, dynamic.layers[0].values), rtol=0, atol=0
+    )
     assert flex.data_ptrs() == pointers
 
 
@@ -427,7 +437,7 @@ def test_padded_grow_keeps_the_written_content():
     cache.update(keys, values, 0)
     cache.grow(max_batch_size=6, max_cache_len=20)
     assert (cache.max_batch_size, cache.max_cache_len, cache.num_allocations) == (6, 20, 2)
-    torch.testing.assert_close(cache.get_kv(0, 2, 3), (keys, values))
+    torch.testing.assert_close(cache.get_kv(0, 2, 3), (keys, values), rtol=0, atol=0)
     assert cache.get_seq_length().item() == 3
 
 

@@ -14,7 +14,7 @@ import torch
 from torch._dynamo.testing import CompileCounter
 from transformers import CompileConfig
 
-from tests.helpers import assert_same_padded_generation
+from tests.helpers import assert_same_padded_generation, upstream_generate
 from tests.model_cases import MODEL_CASES
 from transformers_flexcache import compile_config_for_cpu
 from transformers_flexcache.compiled_encoder import FlexCompileConfig, packs_encoder
@@ -80,7 +80,7 @@ def run_stream(case, upstream, flex, counter: CompileCounter, **flex_kwargs) -> 
             "do_sample": False,
             **case.generate_kwargs,
         }
-        expected = upstream.generate(**inputs, **common)
+        expected = upstream_generate(upstream, inputs, **common)
         actual = flex.generate(
             **inputs, cache_implementation="flexible_static", cache_config=padded_config(flex), **common, **flex_kwargs
         )
@@ -186,7 +186,7 @@ def test_first_decoder_step_of_a_compiled_fixed_shape_call_runs_in_the_decode_gr
             inputs["decoder_input_ids"] = torch.tensor([[start, 7]] * batch_size)
         runs.clear()
         kwargs = {**common, "max_new_tokens": new_tokens}
-        expected = upstream.generate(**inputs, **kwargs)
+        expected = upstream_generate(upstream, inputs, **kwargs)
         actual = flex.generate(
             **inputs,
             cache_implementation="flexible_static",
@@ -226,7 +226,7 @@ def test_a_flexible_call_checks_every_guard_at_its_first_compiled_step_only(monk
     inputs = case.make_inputs(2, 6, torch.Generator().manual_seed(0))
     common = {"max_new_tokens": 5, "do_sample": False, "return_dict_in_generate": True, "output_scores": True}
     cache_config = {"shape_policy": "padded", **COMPILE_CAPACITY}
-    expected = upstream.generate(**inputs, **common)
+    expected = upstream_generate(upstream, inputs, **common)
     for step_guards, stance, want in [
         # the first step (its own compiled call), the first decode step, then the others
         ("first", None, [False, False, True, True, True]),

@@ -27,7 +27,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 import transformers_flexcache
-from tests.helpers import assert_same_generation, assert_same_padded_generation, generate_both
+from tests.helpers import assert_same_generation, assert_same_padded_generation, generate_both, upstream_generate
 from tests.model_cases import BART, JAMBA, LLAMA, PIX2STRUCT, T5, WHISPER
 from transformers_flexcache.ownership import CachePool, pool_of
 
@@ -96,7 +96,7 @@ def test_threads_calling_generate_on_one_model_get_the_outputs_of_dynamic_cache(
     generator = torch.Generator().manual_seed(0)
     # Different batches and lengths, so that a call that read another's storage would give other tokens.
     inputs = [case.make_inputs(1 + i % 3, 3 + i, generator) for i in range(6)]
-    expected = [upstream.generate(**x, **GREEDY, max_new_tokens=4, **case.generate_kwargs) for x in inputs]
+    expected = [upstream_generate(upstream, x, **GREEDY, max_new_tokens=4, **case.generate_kwargs) for x in inputs]
     num_threads, calls_per_thread = 4, 3
     start = threading.Barrier(num_threads, timeout=TIMEOUT_S)
 
@@ -143,7 +143,7 @@ def test_max_concurrent_calls_run_at_once_on_storages_of_their_own_and_one_more_
     gates[1].open()
     gates[2].open()
     for x, thread in zip(inputs, threads, strict=True):
-        assert_same_generation(upstream.generate(**x, **GREEDY, max_new_tokens=3), thread.outcome())
+        assert_same_generation(upstream_generate(upstream, x, **GREEDY, max_new_tokens=3), thread.outcome())
     assert _storages(flex) == storages  # no third storage, nothing reallocated
 
 
@@ -187,7 +187,7 @@ def test_a_call_beyond_max_concurrent_calls_with_on_busy_error_raises_and_later_
     with pytest.raises(RuntimeError, match=r"already hold its flexible caches \(max_concurrent_calls=1\).*on_busy"):
         flex.generate(**refused, **FLEX, cache_config={"on_busy": "error"}, max_new_tokens=3)
     gate.open()
-    assert_same_generation(upstream.generate(**held, **GREEDY, max_new_tokens=3), holder.outcome())
+    assert_same_generation(upstream_generate(upstream, held, **GREEDY, max_new_tokens=3), holder.outcome())
     expected, actual = generate_both(upstream, flex, refused, cache_config={"on_busy": "error"}, max_new_tokens=3)
     assert_same_generation(expected, actual)
 
@@ -252,9 +252,9 @@ def test_a_kept_cache_continues_like_dynamic_cache_and_raises_once_a_later_call_
     first, other = LLAMA.make_inputs(2, 5, generator), LLAMA.make_inputs(3, 7, generator)
     extra = torch.Generator().manual_seed(50)
 
-    expected_first = upstream.generate(**first, **GREEDY, max_new_tokens=3)
+    expected_first = upstream_generate(upstream, first, **GREEDY, max_new_tokens=3)
     turn = _next_turn(expected_first, first, extra)
-    expected = upstream.generate(**turn, cache=expected_first.cache, **GREEDY, max_new_tokens=3)
+    expected = upstream_generate(upstream, turn, cache=expected_first.cache, **GREEDY, max_new_tokens=3)
 
     out = flex.generate(**first, **FLEX, **GREEDY, max_new_tokens=3)
     assert torch.equal(out.sequences, expected_first.sequences)
@@ -271,7 +271,7 @@ def test_a_kept_cache_continues_like_dynamic_cache_and_raises_once_a_later_call_
             r"cache\.detach\(\) on a returned cache",
         ):
             flex.generate(**turn, **{name: kept.cache}, **GREEDY, max_new_tokens=3)
-    expected_other = upstream.generate(**other, **GREEDY, max_new_tokens=3)  # the model's own storage is fine
+    expected_other = upstream_generate(upstream, other, **GREEDY, max_new_tokens=3)  # the model's own storage is fine
     assert_same_generation(expected_other, flex.generate(**other, **FLEX, **GREEDY, max_new_tokens=3))
 
 
@@ -342,9 +342,9 @@ def test_a_deep_copy_of_a_returned_cache_is_the_callers_and_continues_like_dynam
     upstream, flex = LLAMA.build()
     generator = torch.Generator().manual_seed(14)
     first, other = LLAMA.make_inputs(2, 5, generator), LLAMA.make_inputs(3, 7, generator)
-    expected_first = upstream.generate(**first, **GREEDY, max_new_tokens=3)
+    expected_first = upstream_generate(upstream, first, **GREEDY, max_new_tokens=3)
     turn = _next_turn(expected_first, first, torch.Generator().manual_seed(140))
-    expected = upstream.generate(**turn, cache=expected_first.cache, **GREEDY, max_new_tokens=3)
+    expected = upstream_generate(upstream, turn, cache=expected_first.cache, **GREEDY, max_new_tokens=3)
 
     copied = copy.deepcopy(flex.generate(**first, **FLEX, **GREEDY, max_new_tokens=3).cache)
     flex.generate(**other, **FLEX, max_new_tokens=3)  # reuses the model's storage: the copy has its own
@@ -356,15 +356,15 @@ def test_a_detached_cache_continues_like_dynamic_cache_after_other_calls_which_a
     upstream, flex = LLAMA.build()
     generator = torch.Generator().manual_seed(6)
     first, other = LLAMA.make_inputs(2, 5, generator), LLAMA.make_inputs(2, 5, generator)
-    expected_first = upstream.generate(**first, **GREEDY, max_new_tokens=3)
+    expected_first = upstream_generate(upstream, first, **GREEDY, max_new_tokens=3)
     turn = _next_turn(expected_first, first, torch.Generator().manual_seed(60))
-    expected = upstream.generate(**turn, cache=expected_first.cache, **GREEDY, max_new_tokens=3)
+    expected = upstream_generate(upstream, turn, cache=expected_first.cache, **GREEDY, max_new_tokens=3)
 
     kept = flex.generate(**first, **FLEX, **GREEDY, max_new_tokens=3).cache.detach()
     assert transformers_flexcache.held_nbytes(flex) == {}  # the model holds nothing now: the storage is the caller's
     for _ in range(2):
         assert_same_generation(
-            upstream.generate(**other, **GREEDY, max_new_tokens=3),
+            upstream_generate(upstream, other, **GREEDY, max_new_tokens=3),
             flex.generate(**other, **FLEX, **GREEDY, max_new_tokens=3),
         )
     (storage,) = _storages(flex)
@@ -377,9 +377,9 @@ def test_a_later_call_prefers_storage_whose_cache_was_not_returned_so_a_kept_cac
     generator = torch.Generator().manual_seed(7)
     first, other = LLAMA.make_inputs(2, 5, generator), LLAMA.make_inputs(2, 6, generator)
     config = {"max_concurrent_calls": 2, "max_batch_size": 2, "max_cache_len": 16}
-    expected_first = upstream.generate(**first, **GREEDY, max_new_tokens=3)
+    expected_first = upstream_generate(upstream, first, **GREEDY, max_new_tokens=3)
     turn = _next_turn(expected_first, first, torch.Generator().manual_seed(70))
-    expected = upstream.generate(**turn, cache=expected_first.cache, **GREEDY, max_new_tokens=3)
+    expected = upstream_generate(upstream, turn, cache=expected_first.cache, **GREEDY, max_new_tokens=3)
 
     # Two overlapping calls make two storages: the first returns its cache (kept), the second only tokens.
     gates = [_Gate(), _Gate()]
@@ -409,7 +409,7 @@ def test_a_cache_continued_token_by_token_reallocates_a_logarithmic_number_of_ti
     upstream, flex = case.build()
     inputs = case.make_inputs(2, 5, torch.Generator().manual_seed(8))
     one = {**GREEDY, "max_new_tokens": 1}
-    expected, actual = upstream.generate(**inputs, **one), flex.generate(**inputs, **FLEX, **one)
+    expected, actual = upstream_generate(upstream, inputs, **one), flex.generate(**inputs, **FLEX, **one)
     start_allocations, storages = actual.cache.num_allocations, set()
     mask = inputs["attention_mask"]
     for _ in range(CONTINUATION_TOKENS):
@@ -427,11 +427,13 @@ def test_a_cache_continued_token_by_token_reallocates_a_logarithmic_number_of_ti
 def test_one_long_continuation_of_a_returned_cache_reserves_once():
     upstream, flex = LLAMA.build()
     inputs = LLAMA.make_inputs(2, 5, torch.Generator().manual_seed(9))
-    expected_first = upstream.generate(**inputs, **GREEDY, max_new_tokens=2)
+    expected_first = upstream_generate(upstream, inputs, **GREEDY, max_new_tokens=2)
     actual_first = flex.generate(**inputs, **FLEX, **GREEDY, max_new_tokens=2)
     turn = _next_turn(expected_first, inputs, torch.Generator().manual_seed(90))
     allocations = actual_first.cache.num_allocations
-    expected = upstream.generate(**turn, cache=expected_first.cache, **GREEDY, max_new_tokens=CONTINUATION_TOKENS)
+    expected = upstream_generate(
+        upstream, turn, cache=expected_first.cache, **GREEDY, max_new_tokens=CONTINUATION_TOKENS
+    )
     actual = flex.generate(**turn, cache=actual_first.cache, **GREEDY, max_new_tokens=CONTINUATION_TOKENS)
     assert_same_generation(expected, actual)
     assert actual.cache.num_allocations == allocations + 1  # reserved for the whole call before it started
@@ -441,7 +443,7 @@ def test_a_continuation_over_a_configured_capacity_is_refused_before_it_starts_a
     upstream, flex = LLAMA.build()
     inputs = LLAMA.make_inputs(2, 5, torch.Generator().manual_seed(10))
     config = {"max_batch_size": 2, "max_cache_len": 16, "on_overflow": "error"}
-    expected_first = upstream.generate(**inputs, **GREEDY, max_new_tokens=3)
+    expected_first = upstream_generate(upstream, inputs, **GREEDY, max_new_tokens=3)
     out = flex.generate(**inputs, **FLEX, cache_config=config, **GREEDY, max_new_tokens=3)
     turn = _next_turn(expected_first, inputs, torch.Generator().manual_seed(100))  # 11 positions
     length, pointers = out.cache.get_seq_length(), out.cache.data_ptrs()
@@ -450,7 +452,7 @@ def test_a_continuation_over_a_configured_capacity_is_refused_before_it_starts_a
         with pytest.raises(ValueError, match=r"cache_len=17 exceeds max_cache_len=16; pass cache_config="):
             flex.generate(**turn, cache=out.cache, **repeat, **GREEDY, max_new_tokens=7)
         assert (out.cache.get_seq_length(), out.cache.data_ptrs()) == (length, pointers)
-    expected = upstream.generate(**turn, cache=expected_first.cache, **GREEDY, max_new_tokens=6)
+    expected = upstream_generate(upstream, turn, cache=expected_first.cache, **GREEDY, max_new_tokens=6)
     assert_same_generation(expected, flex.generate(**turn, cache=out.cache, **GREEDY, max_new_tokens=6))
     assert out.cache.data_ptrs() == pointers
 
@@ -512,14 +514,14 @@ def test_release_forgets_the_planned_capacities():
 def test_a_detached_cache_survives_a_release():
     upstream, flex = LLAMA.build()
     inputs = LLAMA.make_inputs(2, 5, torch.Generator().manual_seed(12))
-    expected_first = upstream.generate(**inputs, **GREEDY, max_new_tokens=3)
+    expected_first = upstream_generate(upstream, inputs, **GREEDY, max_new_tokens=3)
     turn = _next_turn(expected_first, inputs, torch.Generator().manual_seed(120))
     kept = flex.generate(**inputs, **FLEX, **GREEDY, max_new_tokens=3).cache.detach()
     flex.generate(**inputs, **FLEX, max_new_tokens=3)  # the model's own storage, which release frees
     nbytes = kept.nbytes
     assert transformers_flexcache.release(flex) > 0
     assert kept.nbytes == nbytes
-    expected = upstream.generate(**turn, cache=expected_first.cache, **GREEDY, max_new_tokens=3)
+    expected = upstream_generate(upstream, turn, cache=expected_first.cache, **GREEDY, max_new_tokens=3)
     assert_same_generation(expected, flex.generate(**turn, cache=kept, **GREEDY, max_new_tokens=3))
 
 
@@ -532,7 +534,7 @@ def test_release_during_a_call_frees_that_storage_when_the_call_ends():
     assert gate.entered.wait(TIMEOUT_S)
     assert transformers_flexcache.release(flex) == 0  # leased: freed when the call ends, not under its feet
     gate.open()
-    assert_same_generation(upstream.generate(**inputs, **GREEDY, max_new_tokens=3), caller.outcome())
+    assert_same_generation(upstream_generate(upstream, inputs, **GREEDY, max_new_tokens=3), caller.outcome())
     assert transformers_flexcache.held_nbytes(flex) == {}
 
 
@@ -704,7 +706,7 @@ def test_crop_of_an_encoder_decoder_cache_removes_decoder_positions_and_keeps_th
     cache.cross_attention_kv(0, torch.randn(2, 5, 32), lambda states: (torch.randn(2, 4, 5, 8),) * 2)
     cache.crop(-2)  # upstream's semantics: a negative count of positions to remove
     assert cache.get_seq_length(0) == 4 and cache.get_encoder_length(0) == 5
-    torch.testing.assert_close(cache.get_kv(0, 2, 4)[0], keys[:, :, :4])
+    torch.testing.assert_close(cache.get_kv(0, 2, 4)[0], keys[:, :, :4], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(
@@ -755,7 +757,7 @@ def test_a_cache_of_the_padded_policy_continues_like_dynamic_cache(case, name):
     inputs = case.make_inputs(2, 5, torch.Generator().manual_seed(22))
     config = {"shape_policy": "padded", "max_batch_size": 4, "max_cache_len": 40}
     config.update({"max_encoder_len": 8} if flex.config.is_encoder_decoder else {"max_prompt_len": 8})
-    expected_first = upstream.generate(**inputs, **GREEDY, max_new_tokens=4)
+    expected_first = upstream_generate(upstream, inputs, **GREEDY, max_new_tokens=4)
     actual_first = flex.generate(**inputs, **FLEX, cache_config=config, **GREEDY, max_new_tokens=4)
     atol = assert_same_padded_generation(upstream, flex, inputs, expected_first, actual_first, max_new_tokens=4)
     if flex.config.is_encoder_decoder:  # upstream continues a decoder from its sequences, with the same encoder input
@@ -763,7 +765,7 @@ def test_a_cache_of_the_padded_policy_continues_like_dynamic_cache(case, name):
         actual_turn = {**inputs, "decoder_input_ids": actual_first.sequences}
     else:
         expected_turn = actual_turn = _next_turn(expected_first, inputs, torch.Generator().manual_seed(220))
-    expected = upstream.generate(**expected_turn, cache=expected_first.cache, **GREEDY, max_new_tokens=4)
+    expected = upstream_generate(upstream, expected_turn, cache=expected_first.cache, **GREEDY, max_new_tokens=4)
     actual = flex.generate(**actual_turn, **{name: actual_first.cache}, **GREEDY, max_new_tokens=4)
     assert_same_generation(expected, actual, atol=atol)  # it runs at the padded shapes of the first call
 

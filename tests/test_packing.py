@@ -7,12 +7,13 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
 
+from tests.helpers import assert_within_float_noise, in_double
 from tests.model_cases import BART, MARIAN, MBART, T5
 from transformers_flexcache.compiled_encoder import FlexCompileConfig, compiled_encoder, packs_encoder
 from transformers_flexcache.packing import PackedRows, real_positions
 
-# The packed encoder runs its linears on other rows than upstream's (a GEMM of N tokens, not B x L): float rounding.
-ATOL = 1e-5
+# The packed encoder runs its linears on other rows than upstream's (a GEMM of N tokens, not B x L): float rounding,
+# within the float noise of upstream's own encoding (tests/helpers.py, `assert_within_float_noise`).
 
 
 @pytest.fixture(autouse=True)
@@ -35,16 +36,21 @@ def padded_call(batch: int, length: int, pads: list[int], side: str = "right", s
     return input_ids, attention_mask
 
 
-def upstream_encoding(upstream, input_ids, attention_mask) -> torch.Tensor:
+def upstream_encoding(upstream, input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """Upstream's encoder states of the call, and the same in float64 (the exact reference of their float noise)."""
     with torch.no_grad():
-        return upstream.get_encoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return tuple(
+            model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            for model in (upstream, in_double(upstream))
+        )
 
 
-def assert_packed_encoding(expected: torch.Tensor, actual: torch.Tensor, attention_mask: torch.Tensor) -> None:
-    """Upstream's states at the real positions, zeros at the padding (where upstream computes states that every
-    consumer masks)."""
+def assert_packed_encoding(upstream_states: tuple, actual: torch.Tensor, attention_mask: torch.Tensor) -> None:
+    """Upstream's states (`upstream_encoding`) at the real positions, zeros at the padding (where upstream computes
+    states that every consumer masks)."""
+    expected, exact = upstream_states
     real = attention_mask.bool()
-    torch.testing.assert_close(actual[real], expected[real], atol=ATOL, rtol=0)
+    assert_within_float_noise(actual[real], expected[real], exact[real])
     assert torch.equal(actual[~real], torch.zeros_like(actual[~real]))
     assert expected[~real].abs().max() > 0.1  # upstream's padding states are not zeros: the test can tell them apart
 
@@ -108,7 +114,7 @@ def test_the_compiled_encoder_packs_calls_in_one_graph_for_every_shape(case):
             if any(pads):
                 assert_packed_encoding(expected, encoding.last_hidden_state, attention_mask)
             else:
-                torch.testing.assert_close(encoding.last_hidden_state, expected, atol=ATOL, rtol=0)
+                assert_within_float_noise(encoding.last_hidden_state, *expected)
             # the rows are unbacked on views: the caller's tensors carry no mark into their own compiled functions
             assert not any(hasattr(tensor, "_dynamo_unbacked_indices") for tensor in (input_ids, attention_mask))
     assert counter.frame_count == 1
@@ -125,11 +131,9 @@ def test_calls_the_packed_encoder_does_not_take_run_the_encoder_as_it_is():
         one_token = attention_mask.clone()
         one_token[:, 1:], one_token[1:] = 0, 0
         lone = encoder(input_ids=input_ids, attention_mask=one_token)  # one real token in all
-        torch.testing.assert_close(
-            lone.last_hidden_state, upstream_encoding(upstream, input_ids, one_token), atol=ATOL, rtol=0
-        )
+        assert_within_float_noise(lone.last_hidden_state, *upstream_encoding(upstream, input_ids, one_token))
         unmasked = encoder(input_ids=input_ids)
-        torch.testing.assert_close(unmasked.last_hidden_state, upstream_encoding(upstream, input_ids, None))
+        assert_within_float_noise(unmasked.last_hidden_state, *upstream_encoding(upstream, input_ids, None))
     assert counter.frame_count == 2  # the plain graphs: with a mask, without
     assert not packs_encoder(flex.to(torch.float16))  # its layers clamp on a check over every position
 
@@ -146,7 +150,7 @@ def test_an_encoder_that_does_not_pack_compiles_one_graph_for_every_shape_too():
         for batch, length, pads in [(2, 2, [0, 0]), (3, 7, [0, 2, 4]), (4, 4, [1, 0, 0, 0])]:
             input_ids, attention_mask = padded_call(batch, length, pads, seed=batch)
             encoding = encoder(input_ids=input_ids, attention_mask=attention_mask)
-            torch.testing.assert_close(
-                encoding.last_hidden_state, upstream_encoding(upstream, input_ids, attention_mask), atol=ATOL, rtol=0
+            assert_within_float_noise(
+                encoding.last_hidden_state, *upstream_encoding(upstream, input_ids, attention_mask)
             )
     assert counter.frame_count == 1

@@ -112,9 +112,13 @@ def test_after_register_from_pretrained_loads_an_upstream_checkpoint_into_the_ov
     want, got = upstream.state_dict(), loaded.state_dict()
     assert want.keys() == got.keys()
     assert all(torch.equal(want[name], got[name]) for name in want)
+    # the reference: upstream's class loaded from the same folder, so that both run the attention that
+    # from_pretrained picks (sdpa), not the eager one the seeded model was built with
+    reference = case.upstream_class.from_pretrained(tmp_path).eval()
+    assert reference.config._attn_implementation == loaded.config._attn_implementation
     inputs = case.make_inputs(2, 5, torch.Generator().manual_seed(0))
     expected, actual = generate_both(
-        upstream, loaded, inputs, max_new_tokens=3, do_sample=False, **case.generate_kwargs
+        reference, loaded, inputs, max_new_tokens=3, do_sample=False, **case.generate_kwargs
     )
     assert_same_generation(expected, actual)
 

@@ -13,7 +13,7 @@ from transformers import AutoModelForImageTextToText, GenerationConfig
 
 import transformers_flexcache
 from model_overrides.pix2struct import FlexPix2StructForConditionalGeneration
-from tests.helpers import assert_same_generation
+from tests.helpers import assert_same_generation, upstream_generate
 from tests.model_cases import PIX2STRUCT
 from transformers_flexcache.cache import FlexibleStaticLayer
 
@@ -28,8 +28,7 @@ def _patches(batch_size: int, num_patches: int, seed: int) -> dict:
 
 
 def _reference(upstream, inputs: dict, seed: int = 0, **kwargs):
-    torch.manual_seed(seed)
-    return upstream.generate(**inputs, use_cache=True, **OUTPUTS, **kwargs)
+    return upstream_generate(upstream, inputs, seed=seed, use_cache=True, **OUTPUTS, **kwargs)
 
 
 def _flexible(flex, inputs: dict, seed: int = 0, **kwargs):
@@ -79,7 +78,7 @@ def test_use_cache_false_passed_to_generate_keeps_the_cache_off():
     inputs = _patches(2, 6, seed=22)
     expected = _reference(upstream, inputs, max_new_tokens=4, do_sample=False)
     actual = _flexible(flex, inputs, use_cache=False, max_new_tokens=4, do_sample=False)
-    assert_same_generation(expected, actual)  # recomputing without a cache: same tokens, scores within 1e-5
+    assert_same_generation(expected, actual)  # recomputing without a cache: same tokens, scores within float noise
     assert actual.cache is None
     assert flex.flexible_cache is None
 

@@ -475,6 +475,11 @@ UPSTREAM: dict[str, Upstream] = {
         "FlexibleStaticCache passes its own layers (`layers=`); check the other attributes it sets",
         users=("FlexibleStaticCache.__init__",),
     ),
+    f"{_CACHE}.Cache.get_seq_length": Upstream(
+        "a0a8a6ad3daac15e",
+        "ours answers a linear-attention layer index from the first attention layer (`length_layer_idx`) and passes "
+        "upstream an attention layer's index: check what upstream now reads from a layer for its length",
+    ),
     f"{_CACHE}.Cache.early_initialization": Upstream(
         "015e1b2f23a910f3",
         "ours only makes room for the batch (storage exists from construction); keep its signature",

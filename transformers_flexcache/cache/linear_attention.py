@@ -253,8 +253,8 @@ class FlexiblePaddedLinearAttentionLayer(FlexibleLinearAttentionLayer):
     In padded mode `generate` runs every call at the same batch, so the live batch (a Python int) is the same at every
     step of every call and a compiled decode step guards on a constant, as upstream's `LinearAttentionLayer`
     (compileable, static addresses) does. Being compileable also matters in eager: upstream drops a decode step's
-    causal mask under SDPA unless the cache is compileable (`create_causal_mask`, transformers==5.24.0), and the padded
-    attention layers of a hybrid model need that mask to hide the positions not written yet.
+    causal mask under SDPA unless the cache is compileable (`create_causal_mask`, transformers==5.24.0 and 5.25.0),
+    and the padded attention layers of a hybrid model need that mask to hide the positions not written yet.
     """
 
     is_compileable = True

@@ -302,6 +302,49 @@ def test_misuse_of_linear_attention_layers_is_refused_with_the_fix(call, message
     assert cache.batch_size == 0
 
 
+def test_a_list_of_recurrent_states_keeps_the_last_one_as_upstreams_linear_attention_layer_does():
+    # transformers 5.25's mixer passes the last steps' states as a list when it records the past.
+    cache = _hybrid_cache()
+    cache.update_conv_state(_conv_inputs(2, 4, seed=6), 0)
+    states = [_ssm_state(2, seed=7), _ssm_state(2, seed=8)]
+    returned = cache.update_recurrent_state(states, 0)
+    torch.testing.assert_close(returned, states[-1], rtol=0, atol=0)
+    torch.testing.assert_close(cache.get_recurrent_state(0), states[-1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("shape_policy", ["exact", "padded"])
+def test_the_length_of_a_mamba_layer_is_its_attention_layers_and_decode_counts_add_nothing(shape_policy):
+    cache = _hybrid_cache(shape_policy=shape_policy)
+    cache.update_conv_state(_conv_inputs(2, 5, seed=9), 0)
+    cache.update(*_kv(2, 5, seed=9), 1)
+    cache.layers[0].increase_count(0)  # what transformers 5.25 calls at a decode step; the attention update counts
+    cache.update(*_kv(2, 1, seed=10), 1)
+    assert int(cache.get_seq_length(0)) == int(cache.get_seq_length(1)) == int(cache.get_seq_length()) == 6
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda c: c.activate_past_recording(), NotImplementedError, r"past recording .* not supported"),
+        (
+            lambda c: c.layers[0].activate_past_recording(recurrent_states_to_keep=2),  # transformers 5.25
+            NotImplementedError,
+            r"past recording .* not supported",
+        ),
+        (
+            lambda c: c.layers[0].get_seq_length(),
+            ValueError,
+            r"no length axis .* cache.get_seq_length\(layer_idx\) answers a linear-attention layer",
+        ),
+    ],
+    ids=["past_recording", "past_recording_of_states_to_keep", "layer_seq_length"],
+)
+def test_what_a_mamba_layer_cannot_answer_is_refused_with_the_reason(call, error, message):
+    cache = _hybrid_cache()
+    with pytest.raises(error, match=message):
+        call(cache)
+
+
 @pytest.mark.parametrize(("dtype", "conv_bytes", "recurrent_bytes"), [(torch.float32, 4, 4), (torch.bfloat16, 2, 4)])
 def test_nbytes_for_counts_linear_attention_states(dtype, conv_bytes, recurrent_bytes):
     config = JAMBA.build_config()

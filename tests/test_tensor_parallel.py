@@ -2,9 +2,10 @@
 
 One torchrun launch (`tests/tensor_parallel_child.py`) runs every case on both ranks; each test reads its case.
 For Llama (4 heads, 2 kv heads; `tp_plan="auto"`: q/k/v colwise, o rowwise) each rank's storage holds 1 kv head.
-Jamba's own plan (`"auto"`) shards only its experts: attention runs whole on every rank, and both upstream's
-DynamicCache and the flexible cache hold both kv heads there. With a plan that also shards its attention
-projections, each rank holds 1. Its Mamba layers are in no plan: every rank holds their full states.
+Jamba's own plan (`"auto"`) shards only its experts up to transformers 5.24: attention runs whole on every rank, and
+both upstream's DynamicCache and the flexible cache hold both kv heads there; from 5.25 it shards the attention
+projections instead (`JambaConfig.base_model_tp_plan`), and each rank holds 1, as with our plan that shards them.
+Its Mamba layers are in no plan: every rank holds their full states.
 Tokens are compared with a single-process run of upstream's model with DynamicCache on the same weights.
 """
 
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import JambaConfig
 
 from tests.model_cases import JAMBA, LLAMA
 
@@ -30,12 +32,15 @@ JAMBA_ATTENTION_PLAN = {
     "model.layers.*.self_attn.v_proj": "colwise",
     "model.layers.*.self_attn.o_proj": "rowwise",
 }
+# kv heads per rank of Jamba's attention layer under its own plan: 1 where the plan shards `k_proj` (transformers
+# 5.25), 2 where it runs attention whole (5.24).
+JAMBA_AUTO_HEADS = 1 if JambaConfig.base_model_tp_plan.get("layers.*.self_attn.k_proj") == "colwise" else 2
 # (case name, model case, tp_plan, kv heads of each layer's storage per rank; None: a Mamba layer)
 CASES = [
     (f"{model.name}-{plan_name}-{attn}", model, plan, heads, attn)
     for model, plan_name, plan, heads in (
         (LLAMA, "auto", "auto", [1, 1]),
-        (JAMBA, "auto", "auto", [None, 2]),
+        (JAMBA, "auto", "auto", [None, JAMBA_AUTO_HEADS]),
         (JAMBA, "attention", JAMBA_ATTENTION_PLAN, [None, 1]),
     )
     for attn in ("eager", "sdpa")

@@ -2,6 +2,8 @@
 
 The table is `utils.upstream_drift.UPSTREAM`; our side of each entry is found at test time, from the
 docstrings of the package sources (`Derived from`, `Overrides`, `Wraps`, `Mirrors`) and from the entries' `users`.
+Each venv checks the fingerprints of the transformers it has installed (`SUPPORTED_TRANSFORMERS_VERSIONS`); an
+unknown version fails, and its drift tests compare it with the newest supported version's fingerprints.
 """
 
 from __future__ import annotations
@@ -11,10 +13,12 @@ import textwrap
 import pytest
 
 from utils import upstream_drift as upstream
-from utils.upstream_drift import UPSTREAM, Upstream
+from utils.upstream_drift import ABSENT, SUPPORTED_TRANSFORMERS_VERSIONS, UPSTREAM, Upstream
 
 REFERENCES = upstream.find_references()
 DEFINITIONS = upstream.find_definitions()
+INSTALLED = upstream.installed_version()
+CHECKED = upstream.checked_version(INSTALLED)  # the installed version, or the newest supported one if unknown
 
 
 def _users_of(name: str) -> list[tuple[str, str, str]]:
@@ -30,14 +34,47 @@ def _users_of(name: str) -> list[tuple[str, str, str]]:
     return users
 
 
+def test_the_installed_transformers_is_a_version_whose_upstream_code_our_code_was_checked_against():
+    if INSTALLED not in SUPPORTED_TRANSFORMERS_VERSIONS:
+        pytest.fail(upstream.unknown_version_message(INSTALLED), pytrace=False)
+
+
 @pytest.mark.parametrize("name", sorted(UPSTREAM))
 def test_upstream_source_is_the_one_our_code_was_checked_against(name):
-    try:
-        found = upstream.current_fingerprint(name)
-    except (ImportError, AttributeError, OSError, TypeError) as error:
-        found = f"unreadable: {type(error).__name__}: {error}"
-    if found != UPSTREAM[name].fingerprint:
-        pytest.fail(upstream.drift_message(name, found, _users_of(name), UPSTREAM[name].recheck), pytrace=False)
+    found, entry = upstream.found_fingerprint(name), UPSTREAM[name]
+    if found != entry.fingerprint_at(CHECKED):
+        pytest.fail(upstream.drift_message(name, found, _users_of(name), entry.recheck, CHECKED), pytrace=False)
+
+
+def test_every_entry_holds_one_fingerprint_or_one_for_each_supported_version():
+    wrong = [
+        f"{name}: {sorted(entry.fingerprint)}"
+        for name, entry in UPSTREAM.items()
+        if not isinstance(entry.fingerprint, str)
+        and sorted(entry.fingerprint) != sorted(SUPPORTED_TRANSFORMERS_VERSIONS)
+    ]
+    assert not wrong, f"per-version fingerprints must name exactly {SUPPORTED_TRANSFORMERS_VERSIONS}: {wrong}"
+    same = [
+        name
+        for name, entry in UPSTREAM.items()
+        if not isinstance(entry.fingerprint, str) and len(set(entry.fingerprint.values())) == 1
+    ]
+    assert not same, f"entries whose source is the same at every supported version hold one fingerprint: {same}"
+    assert all(isinstance(entry.fingerprint, dict) for entry in UPSTREAM.values() if ABSENT in str(entry.fingerprint))
+
+
+def test_the_staging_target_is_the_newest_supported_version():
+    assert upstream.PINNED_TRANSFORMERS_VERSION == SUPPORTED_TRANSFORMERS_VERSIONS[-1] == "5.25.0"
+    assert SUPPORTED_TRANSFORMERS_VERSIONS[0] == "5.24.0"
+
+
+def test_an_unknown_transformers_version_is_checked_against_the_staging_target_and_named_with_what_to_do():
+    assert upstream.checked_version("9.9.0") == upstream.PINNED_TRANSFORMERS_VERSION
+    assert upstream.checked_version("5.24.0") == "5.24.0"
+    message = upstream.unknown_version_message("9.9.0")
+    assert "transformers==9.9.0 is not one of the versions" in message
+    assert "5.24.0, 5.25.0" in message
+    assert "python -m utils.upstream_drift" in message and "SUPPORTED_TRANSFORMERS_VERSIONS" in message
 
 
 def test_every_docstring_that_names_an_upstream_object_has_exactly_one_fingerprint():
@@ -124,11 +161,26 @@ def test_a_new_override_docstring_is_found_and_refused_until_it_has_an_entry(tmp
 
 def test_drift_message_names_the_upstream_object_our_method_and_what_to_recheck():
     name = "transformers.models.t5.modeling_t5.T5Attention.forward"
-    message = upstream.drift_message(name, "ffff", _users_of(name), UPSTREAM[name].recheck)
-    assert message.startswith(f"{name} changed since transformers=={upstream.PINNED_TRANSFORMERS_VERSION}")
+    message = upstream.drift_message(name, "ffff", _users_of(name), UPSTREAM[name].recheck, "5.24.0")
+    assert message.startswith(f"{name} changed since transformers==5.24.0 (fingerprint {UPSTREAM[name].fingerprint}")
     assert "re-check FlexT5Attention.forward (model_overrides/t5.py), which is derived from it" in message
     assert "cross-attention branch" in message
-    assert "update its fingerprint" in message
+    assert "record its fingerprint for transformers==5.24.0" in message
+
+
+def test_drift_message_says_which_supported_version_a_changed_source_is():
+    # A 5.24 source found where 5.25's was expected (a partial upgrade, a wrong venv): the message says so.
+    name = "transformers.generation.utils.GenerationMixin._prefill"
+    before, after = (UPSTREAM[name].fingerprint_at(version) for version in SUPPORTED_TRANSFORMERS_VERSIONS)
+    message = upstream.drift_message(name, before, _users_of(name), UPSTREAM[name].recheck, "5.25.0")
+    assert f"(fingerprint {after} -> {before}, which is transformers==5.24.0's)" in message
+    assert "FlexCacheGenerationMixin._prefill (transformers_flexcache/generation.py), which wraps it" in message
+
+
+def test_an_object_new_in_a_later_version_is_absent_from_the_earlier_one():
+    name = "transformers.cache_utils.Cache.increase_count"
+    expected = UPSTREAM[name].fingerprint_at(CHECKED)
+    assert (upstream.found_fingerprint(name) == ABSENT) == (expected == ABSENT)
 
 
 def _module(tmp_path, monkeypatch, name: str, source: str):

@@ -402,7 +402,7 @@ def first_step_compiles(model, plan, input_ids: torch.Tensor, generation_config,
 def first_step_compiled(
     model, plan, projections: list, input_ids: torch.Tensor, generation_config, model_kwargs: dict
 ):
-    """Stands for `GenerationMixin._prefill` (transformers==5.24.0) on a call that `first_step_compiles`: the
+    """Stands for `GenerationMixin._prefill` (transformers==5.25.0) on a call that `first_step_compiles`: the
     cross-attention keys and values projected and written, then the step in the compiled decode graph.
 
     Only the call's own rows and encoder positions are projected (as DynamicCache's call projects them); the padding

@@ -195,12 +195,14 @@ class FlexCacheGenerationMixin(FixedShapeMasksMixin):
     def _prepare_cache_for_generation(
         self, generation_config, model_kwargs: dict, generation_mode, batch_size: int, max_cache_length: int
     ) -> None:
-        """Overrides `GenerationMixin._prepare_cache_for_generation` (transformers==5.24.0) for one new name.
+        """Overrides `GenerationMixin._prepare_cache_for_generation` (transformers==5.25.0) for one new name.
 
         Differences: `cache_implementation="flexible_static"` leases a cache of the model's pool, reserved for what
         the call needs, instead of building a new cache; a flexible cache passed as `past_key_values` is leased as it
         is (a continuation) and reserved for the call; a request of the serving engine gets its seats of the engine's
-        cache (`RequestSeats`). Every other case goes to upstream unchanged.
+        cache (`RequestSeats`). Every other case goes to upstream unchanged. An assistant's cache is put to record its
+        past without upstream's `recurrent_states_to_keep` (transformers 5.25; 5.24 takes no argument): only
+        linear-attention layers read it, and ours refuse past recording.
         """
         request = serving_request()
         if request is not None:
@@ -230,7 +232,7 @@ class FlexCacheGenerationMixin(FixedShapeMasksMixin):
             cache.activate_past_recording()
 
     def _prefill(self, input_ids, generation_config, model_kwargs: dict, is_first_iteration: bool = True):
-        """Wraps `GenerationMixin._prefill` (transformers==5.24.0).
+        """Wraps `GenerationMixin._prefill` (transformers==5.25.0).
 
         Differences: the first decoder step of a compiled fixed-shape encoder-decoder call runs in the compiled decode
         graph, its cross-attention keys and values projected beforehand (`compiled_encoder.first_step_compiles`);

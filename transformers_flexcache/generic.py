@@ -1,6 +1,6 @@
 """Decoder-only models that need no module change: their override classes, built from the upstream class.
 
-Most decoder-only models of transformers 5.24 (Qwen2, Qwen3, Mistral, Phi3, Gemma2/3, SmolLM3, ...) reach their
+Most decoder-only models of transformers 5.24 and 5.25 (Qwen2, Qwen3, Mistral, Phi3, Gemma2/3, SmolLM3, ...) reach their
 cache only through its public methods (`update`, `get_seq_length`, `get_mask_sizes`, `is_sliding`), which
 `FlexibleStaticCache` answers for the live batch and length. Their override is then the upstream class with
 `FlexModelMixin` in front and nothing else, as `model_overrides/llama.py` writes by hand: here it is built on the fly,

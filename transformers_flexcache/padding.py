@@ -391,7 +391,7 @@ class FixedShapeMasksMixin:
     """Builds the masks of fixed-shape calls the same way at every call (a base of `FlexCacheGenerationMixin`)."""
 
     def create_masks_for_generate(self, **mask_kwargs):
-        """Wraps `transformers.masking_utils.create_masks_for_generate` (transformers==5.24.0): the hook
+        """Wraps `transformers.masking_utils.create_masks_for_generate` (transformers==5.25.0): the hook
         `GenerationMixin.prepare_inputs_for_generation` calls for compileable caches.
 
         Differences from upstream's (the model's own, else `masking_utils.create_masks_for_generate`): with a padded

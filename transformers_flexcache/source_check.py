@@ -18,6 +18,14 @@ precisely:
 `model_code(upstream_class)` finds the code a model runs: the methods of the class and of its bases defined in
 `transformers.models`, and, transitively, the classes and functions of `transformers.models` that this code names
 (its submodules, their helpers), so that an attention class built by a decoder layer is read too.
+
+It reads the model's own code behind the wrappers of `kernels` (`original_code`), deliberately. transformers' kernel
+decorators wrap whenever `kernels` is installed, and from transformers 5.25 it always is (a hard dependency):
+`use_kernelized_func` replaces a class's `__init__` with a function of `kernels` and its `forward` with one that
+`functools.wraps` it, and `use_kernel_forward_from_hub` turns a function (`apply_rotary_pos_emb`, Jamba's
+`causal_conv1d_forward` and `mamba_scan_forward`, which read the cache) into an instance of an `nn.Module` class of
+`kernels`. Read as they are, the check would see `kernels`' source instead of the model's, and would not follow the
+functions at all (an instance is neither a class nor a function): a cache read moved into one would go unseen.
 """
 
 from __future__ import annotations
@@ -138,6 +146,45 @@ class CacheRead:
         return f"{self.short_name} ({self.path}, line {self.line}) reads `{self.code}` ({self.why})"
 
 
+# What `kernels` (0.19) keeps the wrapped code in: the closure variable of its wrapper functions that holds it.
+KERNELS_PACKAGE = "kernels"
+KERNELS_WRAPPED = ("orig_init", "orig_forward", "func")
+
+
+def _from_kernels(obj) -> bool:
+    module = getattr(obj, "__module__", None) or ""
+    return module == KERNELS_PACKAGE or module.startswith(KERNELS_PACKAGE + ".")
+
+
+def _closure(function: Callable) -> dict:
+    cells = {}
+    for name, cell in zip(function.__code__.co_freevars, function.__closure__ or (), strict=True):
+        try:
+            cells[name] = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+    return cells
+
+
+def original_code(obj):
+    """The model's own function or class behind the wrappers of `kernels` (module docstring): the function that a
+    `use_kernelized_func` `__init__` or `forward` wraps, or that a `use_kernel_forward_from_hub` module instance calls.
+    Anything else is returned as it is (a function unwrapped of `functools.wraps` layers)."""
+    forward = getattr(type(obj), "forward", None)
+    if (
+        not (inspect.isfunction(obj) or inspect.isclass(obj))
+        and inspect.isfunction(forward)
+        and _from_kernels(forward)
+    ):
+        obj = forward  # a function made a module (its class named after the function's module): forward calls it
+    while inspect.isfunction(obj) and _from_kernels(obj):
+        wrapped = next((value for name, value in _closure(obj).items() if name in KERNELS_WRAPPED), None)
+        if wrapped is None:
+            break
+        obj = wrapped
+    return inspect.unwrap(obj) if inspect.isfunction(obj) else obj
+
+
 def _functions_of(cls: type) -> list[tuple[str, Callable]]:
     # (qualified name, function) of the methods, static/class methods and properties that `cls` itself defines
     found = []
@@ -146,7 +193,10 @@ def _functions_of(cls: type) -> list[tuple[str, Callable]]:
             value = value.__func__
         elif isinstance(value, property):
             value = value.fget
-        if inspect.isfunction(value):
+        value = original_code(value) if inspect.isfunction(value) else None
+        # Code of `kernels` left on a model class (`kernel_condition`, set by `use_kernel_forward_from_hub`) is not
+        # the model's.
+        if value is not None and not _from_kernels(value):
             found.append((f"{cls.__module__}.{cls.__qualname__}.{name}", value))
     return found
 
@@ -165,7 +215,7 @@ def _named_model_code(function: Callable, tree: ast.AST) -> list:
     for name in names:
         obj = function.__globals__.get(name)
         candidates = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else [obj]
-        named.extend(candidate for candidate in candidates if _is_model_code(candidate))
+        named.extend(original_code(candidate) for candidate in candidates if _is_model_code(original_code(candidate)))
     return named
 
 
@@ -188,7 +238,7 @@ def model_code(upstream_class: type) -> list[tuple[str, Callable, ast.AST, int]]
         else:
             functions = [(f"{obj.__module__}.{obj.__qualname__}", obj)]
         for qualname, function in functions:
-            function = inspect.unwrap(function)
+            function = original_code(function)
             try:
                 lines, first_line = inspect.getsourcelines(function)
             except (OSError, TypeError):  # no source (builtins, generated code): nothing to read

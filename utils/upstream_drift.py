@@ -3,16 +3,29 @@
 Our code copies upstream methods and changes a few lines (`Derived from`), replaces them (`Overrides`), calls them
 with something around (`Wraps`) or reimplements their behaviour (`Mirrors`); other code of ours relies on upstream
 internals without copying any of them. Each upstream object involved is an entry of `UPSTREAM`, with the fingerprint
-of its source at `PINNED_TRANSFORMERS_VERSION`. `tests/test_upstream_drift.py` fails when the installed transformers
-has different code for one of them, and the message says which code of ours to re-check, and what in it.
+of its source at each of `SUPPORTED_TRANSFORMERS_VERSIONS`. `tests/test_upstream_drift.py` fails when the installed
+transformers has different code for one of them than that version had, and the message says which code of ours to
+re-check, and what in it; it fails loudly on a transformers version the table does not know.
 
 It lives outside the runtime package, as transformers keeps `utils/check_copies.py`: only the drift test uses it, and
-an installed package never reads it.
+an installed package never reads it. `python -m utils.upstream_drift` prints the installed version's fingerprints
+against the table (what to paste when a version is added).
 
 Design decisions:
 - A fingerprint hashes the object's source parsed with `ast`, with docstrings dropped and without positions, so
   comments, formatting and documentation never count, only code. Fields that are empty or None are left out of the
   dump, so that the hash does not depend on the Python version (3.12 added `type_params` to every function node).
+- Fingerprints are kept per supported version, because we support a window of transformers releases (setup.cfg)
+  and each venv can only read its own: an entry whose source is the same at every supported version holds one
+  fingerprint, an entry whose source differs holds `{version: fingerprint}` for each of them (checked by the
+  tests), so that a change between two supported versions stays visible in the table. The last supported version
+  is the staging target, `PINNED_TRANSFORMERS_VERSION`: the version that override docstrings name and that
+  `upstream/` proposes patches against.
+- The source read is the upstream model's own, behind the wrappers of `kernels` (a hard dependency of transformers
+  from 5.25, which wraps the classes and functions transformers decorates: `JambaMambaMixer.__init__` is a function
+  of `kernels` there), deliberately: `source_check.original_code` finds it, as the generic route's source check does.
+  A change of `kernels`' wrapper is not a change of upstream's model code; what it changes for us is tested where it
+  matters (`tests/test_source_check.py`, `tests/export/test_programs.py`).
 - Our side of each derivation is found, never listed: a docstring in the package sources in which one of the phrases
   of `REFERENCE_VERBS` (Derived from, Overrides, Wraps, Mirrors) is followed by a dotted name in backticks refers to
   that upstream object (`find_references` reads the source files of `PACKAGES`, so a moved, split or new file needs
@@ -32,9 +45,18 @@ import importlib.util
 import inspect
 import os
 import re
+import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-PINNED_TRANSFORMERS_VERSION = "5.24.0"
+from transformers_flexcache.source_check import original_code
+
+# The transformers releases whose upstream code our code was checked against, oldest first (setup.cfg's window).
+SUPPORTED_TRANSFORMERS_VERSIONS = ("5.24.0", "5.25.0")
+# The staging target: the newest supported release.
+PINNED_TRANSFORMERS_VERSION = SUPPORTED_TRANSFORMERS_VERSIONS[-1]
+# The fingerprint of an object that a supported version does not have (new in a later one).
+ABSENT = "absent"
 
 # The top-level packages whose docstrings are scanned for references to upstream objects.
 PACKAGES = ("transformers_flexcache", "model_overrides")
@@ -55,14 +77,25 @@ class Upstream:
     """One upstream object we depend on.
 
     Args:
-        fingerprint (`str`): `fingerprint()` of its source at `PINNED_TRANSFORMERS_VERSION`.
+        fingerprint (`str` or `Mapping[str, str]`): `fingerprint()` of its source: one string when it is the same at
+            every one of `SUPPORTED_TRANSFORMERS_VERSIONS`, else one per version (`{"5.24.0": ..., "5.25.0": ...}`).
         recheck (`str`): what to compare in our code when its source changes.
         users (`tuple[str, ...]`): qualified names of our objects that rely on it without a docstring reference.
     """
 
-    fingerprint: str
+    fingerprint: str | Mapping[str, str]
     recheck: str
     users: tuple[str, ...] = ()
+
+    def fingerprint_at(self, version: str) -> str | None:
+        """Its fingerprint at transformers `version`, or None when the entry holds none for it."""
+        if isinstance(self.fingerprint, str):
+            return self.fingerprint if version in SUPPORTED_TRANSFORMERS_VERSIONS else None
+        return self.fingerprint.get(version)
+
+    def versions_with(self, fingerprint: str) -> list[str]:
+        """The supported versions at which its source had `fingerprint`."""
+        return [version for version in SUPPORTED_TRANSFORMERS_VERSIONS if self.fingerprint_at(version) == fingerprint]
 
 
 @dataclass(frozen=True)
@@ -153,8 +186,46 @@ def fingerprint(obj) -> str:
 
 
 def current_fingerprint(name: str) -> str:
-    """`fingerprint` of the upstream object `name` in the installed transformers."""
-    return fingerprint(resolve(name))
+    """`fingerprint` of the upstream object `name` in the installed transformers: of upstream's own code, behind the
+    wrappers of `kernels` if any (module docstring)."""
+    return fingerprint(original_code(resolve(name)))
+
+
+def found_fingerprint(name: str) -> str:
+    """`current_fingerprint(name)`, `ABSENT` when the installed transformers has no such object, or why its source
+    cannot be read."""
+    try:
+        return current_fingerprint(name)
+    except (ImportError, AttributeError):
+        return ABSENT
+    except (OSError, TypeError) as error:
+        return f"unreadable: {type(error).__name__}: {error}"
+
+
+def installed_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def checked_version(installed: str | None = None) -> str:
+    """The version whose fingerprints the installed transformers is compared with: itself when supported, else the
+    staging target (so that an unknown version's drift messages say what differs from the newest we know)."""
+    installed = installed_version() if installed is None else installed
+    return installed if installed in SUPPORTED_TRANSFORMERS_VERSIONS else PINNED_TRANSFORMERS_VERSION
+
+
+def unknown_version_message(installed: str) -> str:
+    """Why an unsupported transformers fails the drift test, and what to do."""
+    supported = ", ".join(SUPPORTED_TRANSFORMERS_VERSIONS)
+    return (
+        f"transformers=={installed} is not one of the versions whose upstream code this package was checked against "
+        f"({supported}; SUPPORTED_TRANSFORMERS_VERSIONS in utils/upstream_drift.py): install one of them, or support "
+        f"{installed}: the other drift tests compare it with {PINNED_TRANSFORMERS_VERSION}'s fingerprints and name "
+        "what to re-check for each object that changed; re-check our code against each, print its fingerprints with "
+        "`python -m utils.upstream_drift`, add the version to SUPPORTED_TRANSFORMERS_VERSIONS with a fingerprint for "
+        "it in every entry, and widen setup.cfg's window"
+    )
 
 
 # --- our side: docstring references and definitions ---------------------------------------------------------------
@@ -225,17 +296,24 @@ def entry_for(name: str, table: dict[str, Upstream] | None = None) -> list[str]:
     return [key for key in table if key.endswith("." + name)]
 
 
-def drift_message(name: str, found: str, users: list[tuple[str, str, str]], recheck: str) -> str:
-    """The failure text for upstream object `name`, whose source now fingerprints as `found` (or could not be read).
+def drift_message(
+    name: str, found: str, users: list[tuple[str, str, str]], recheck: str, version: str | None = None
+) -> str:
+    """The failure text for upstream object `name`, whose source now fingerprints as `found` (or could not be read),
+    where transformers==`version` (default: `PINNED_TRANSFORMERS_VERSION`) had another.
 
     Args:
         users: `(our qualified name, its file, what it does with the upstream object)` for each user.
     """
-    version = PINNED_TRANSFORMERS_VERSION
+    version = PINNED_TRANSFORMERS_VERSION if version is None else version
+    entry = UPSTREAM[name]
     ours = " and ".join(f"{user} ({path}), which {verb}" for user, path, verb in users) or "nothing (a stale entry)"
+    same_as = entry.versions_with(found)
+    known = f", which is transformers=={' and =='.join(same_as)}'s" if same_as else ""
     return (
-        f"{name} changed since transformers=={version} (fingerprint {UPSTREAM[name].fingerprint} -> {found}); "
-        f"re-check {ours}: {recheck}; then update its fingerprint in UPSTREAM (utils/upstream_drift.py)"
+        f"{name} changed since transformers=={version} (fingerprint {entry.fingerprint_at(version)} -> "
+        f"{found}{known}); re-check {ours}: {recheck}; then record its fingerprint for transformers=={version} in "
+        "UPSTREAM (utils/upstream_drift.py)"
     )
 
 
@@ -351,10 +429,11 @@ UPSTREAM: dict[str, Upstream] = {
         "calling the encoder: carry over changes to the prefixes, the signature filter and the added flags",
     ),
     f"{_GEN}._prepare_cache_for_generation": Upstream(
-        "67c6cfc6d1aa80bf",
+        {"5.24.0": "67c6cfc6d1aa80bf", "5.25.0": "27ef826895912ee2"},
         "our flexible branch repeats its escape routes (a user cache with `cache_implementation`, `use_cache=False`) "
-        "and its sizing (`max_cache_len` floor, batch x max(num_beams, num_return_sequences), `is_assistant`); the "
-        "refusing wrapper passes every other call through",
+        "and its sizing (`max_cache_len` floor, batch x max(num_beams, num_return_sequences), `is_assistant`: 5.25 "
+        "passes `recurrent_states_to_keep` to `activate_past_recording`, which only linear-attention layers read and "
+        "ours refuse, so ours passes none); the refusing wrapper passes every other call through",
         users=("_refusing",),
     ),
     f"{_GEN}._prepare_generation_config": Upstream(
@@ -364,10 +443,13 @@ UPSTREAM: dict[str, Upstream] = {
         "given config",
     ),
     f"{_GEN}._prefill": Upstream(
-        "bb93f29bb4aa1f2e",
+        {"5.24.0": "bb93f29bb4aa1f2e", "5.25.0": "b799e46c28919b01"},
         "our wrapper runs an encoder-decoder call's first decoder step as a decode step instead (its cross-attention "
         "keys projected first): check that the unchunked prefill is still one `prepare_inputs_for_generation` and one "
-        "forward, and carry over any new argument or branch (they make `first_step_compiles` say no)",
+        "forward, and carry over any new argument or branch (they make `first_step_compiles` say no); since 5.25 it "
+        "asks `cache.get_seq_length()` of every cache, layer 0 a Mamba layer in Jamba's (ours answer from the first "
+        "attention layer)",
+        users=("first_step_compiled", "length_layer_idx"),
     ),
     f"{_GEN}._sample": Upstream(
         "7925bc68d8c6e2e7",
@@ -453,20 +535,23 @@ UPSTREAM: dict[str, Upstream] = {
         users=("_accept_name",),
     ),
     f"{_MASKS}.create_masks_for_generate": Upstream(
-        "c4590fdbf37ae534",
-        "ours calls it and replaces a dropped full-attention mask (`None`, or `masks['full_attention'] is None`)",
+        {"5.24.0": "c4590fdbf37ae534", "5.25.0": "f92423a2b0c58809"},
+        "ours calls it and replaces a dropped full-attention mask (`None`, or `masks['full_attention'] is None`), or "
+        "a dropped sliding-window one with `create_sliding_window_causal_mask` (what 5.25 maps `hybrid_sliding` to)",
     ),
     f"{_MASKS}.create_causal_mask": Upstream(
-        "97b1fd3b4a4ac010",
+        {"5.24.0": "97b1fd3b4a4ac010", "5.25.0": "ff9d54e5b614812a"},
         "padded mode needs `allow_is_causal_skip=False`, and the mask sized by `get_mask_sizes`; SDPA must keep "
-        "dropping a decode mask only for caches that are not compileable",
+        "dropping a decode mask only for caches that are not compileable (5.25 changed only its decorator: "
+        "`past_key_values` shown in its signature)",
         users=("FlexiblePaddedLinearAttentionLayer",),
     ),
     f"{_MASKS}.create_bidirectional_mask": Upstream(
-        "e199d91ca7f804e3",
+        {"5.24.0": "e199d91ca7f804e3", "5.25.0": "85642f2f29be289f"},
         "the cross mask of T5, BART and Pix2Struct (and our Whisper decoder's) comes from it, sized by "
         "`encoder_hidden_states` of the call, which is the length `get_kv` returns; check that it still ignores the "
-        "cache and still returns None for an all-ones mask under SDPA",
+        "cache and still returns None for an all-ones mask under SDPA (5.25 added `position_ids`, for packed "
+        "sequences: our callers pass none, as upstream's T5, BART, Pix2Struct and Whisper decoders)",
         users=("FlexWhisperDecoder.forward", "FlexibleEncoderDecoderCache.cross_attention_kv"),
     ),
     # Cache internals.
@@ -474,6 +559,25 @@ UPSTREAM: dict[str, Upstream] = {
         "58c8a2efac688f7e",
         "FlexibleStaticCache passes its own layers (`layers=`); check the other attributes it sets",
         users=("FlexibleStaticCache.__init__",),
+    ),
+    f"{_CACHE}.Cache.get_seq_length": Upstream(
+        {"5.24.0": "a0a8a6ad3daac15e", "5.25.0": "cb9f6ea239b1a78d"},
+        "ours answers a linear-attention layer index from the first attention layer (`length_layer_idx`) and passes "
+        "upstream an attention layer's index: check what upstream now reads from a layer for its length (5.25 reads "
+        "any layer's own, a linear-attention layer's token count included)",
+    ),
+    f"{_CACHE}.Cache.increase_count": Upstream(
+        {"5.24.0": ABSENT, "5.25.0": "b5f1023f029b4f5c"},
+        "5.25's Jamba mixer reports each decode step through it to the layer's `increase_count`, which ours ignore "
+        "(the length is the attention layers'): check that it still only reaches the layer",
+        users=("FlexibleLinearAttentionLayer.increase_count", "FlexibleSeatLinearAttentionLayer.increase_count"),
+    ),
+    f"{_CACHE}.Cache.get_recurrent_states_to_keep": Upstream(
+        {"5.24.0": ABSENT, "5.25.0": "3bfad0ceb59468ce"},
+        "5.25's Jamba mixer asks it how many intermediate recurrent states to hand `update_recurrent_state`; it must "
+        "answer 0 for layers whose `record_past` is False (ours, which refuse past recording), so that they get one "
+        "state, or a list of which ours keep the last",
+        users=("last_recurrent_state", "FlexibleLinearAttentionLayer.activate_past_recording"),
     ),
     f"{_CACHE}.Cache.early_initialization": Upstream(
         "015e1b2f23a910f3",
@@ -497,9 +601,11 @@ UPSTREAM: dict[str, Upstream] = {
         users=("FlexibleStaticLayer",),
     ),
     f"{_CACHE}.LinearAttentionCacheLayerMixin": Upstream(
-        "98e3de5f80302045",
-        "FlexibleLinearAttentionLayer subclasses it: check new abstract methods and attributes read from layers",
-        users=("FlexibleLinearAttentionLayer",),
+        {"5.24.0": "98e3de5f80302045", "5.25.0": "4543513d2311fb38"},
+        "our linear-attention layers subclass it without calling its `__init__`: check new abstract methods, state "
+        "its `__init__` sets and methods that read it (5.25: `cumulative_length_linear`, read by `get_seq_length`, "
+        "`increase_count`, `reset` and `crop`, all of which ours define), and attributes read from layers",
+        users=("FlexibleLinearAttentionLayer", "FlexibleSeatLinearAttentionLayer"),
     ),
     f"{_CACHE}.StaticLayer": Upstream(
         "6ee2f5577d958b67",
@@ -508,8 +614,9 @@ UPSTREAM: dict[str, Upstream] = {
         users=("FlexiblePaddedLayer", "FlexibleStaticLayer.crop"),
     ),
     f"{_CACHE}.LinearAttentionLayer": Upstream(
-        "af5c93646e818516",
-        "`update_conv_state` reproduces its prefill left-padding to the kernel and its decode concatenation",
+        {"5.24.0": "af5c93646e818516", "5.25.0": "c9f194859357540f"},
+        "`update_conv_state` reproduces its prefill left-padding to the kernel and its decode concatenation; "
+        "`update_recurrent_state` takes a state or (5.25) a list of the last states, of which it keeps the last",
         users=("FlexibleLinearAttentionLayer.update_conv_state", "FlexiblePaddedLinearAttentionLayer"),
     ),
     f"{_CACHE}.StaticCache.__init__": Upstream(
@@ -601,14 +708,21 @@ UPSTREAM: dict[str, Upstream] = {
     ),
     f"{_JAMBA}.JambaMambaMixer.__init__": Upstream(
         "67988ea2e73f7d4b",
-        "our conv and recurrent state shapes are read from the config as it reads them",
+        "our conv and recurrent state shapes are read from the config as it reads them (in 5.25 `kernels` replaces "
+        "it with a wrapper; its own code, read behind it, is 5.24's)",
         users=("linear_attention_shapes",),
     ),
     f"{_JAMBA}.JambaMambaMixer.forward": Upstream(
-        "2d05f7bf3c832ffc",
-        "it writes the states that `get_conv_state`/`get_recurrent_state` return in place while decoding, which is "
-        "why ours return views of the storage",
-        users=("LinearAttentionStates.get_conv_state", "LinearAttentionStates.get_recurrent_state"),
+        {"5.24.0": "2d05f7bf3c832ffc", "5.25.0": "778f9a6f6a5a3ca5"},
+        "while decoding it writes the conv state that `get_conv_state` returns in place, which is why ours return "
+        "views of the storage; the recurrent state is written in place too (5.24) or updated on a copy handed back "
+        "through `update_recurrent_state` (5.25, after `increase_count`), which the serving engine's seats must take "
+        "in a decode step",
+        users=(
+            "LinearAttentionStates.get_conv_state",
+            "LinearAttentionStates.get_recurrent_state",
+            "FlexibleSeatLinearAttentionLayer.update_recurrent_state",
+        ),
     ),
     f"{_JAMBA}.JambaAttention.forward": Upstream(
         "53c3cae9ae3f5f07",
@@ -653,8 +767,9 @@ UPSTREAM: dict[str, Upstream] = {
         users=("FlexModelMixin",),
     ),
     f"{_AUTO}._BaseAutoModelClass.from_pretrained": Upstream(
-        "ed9092026e36ecf6",
-        "with `trust_remote_code` it registers the class and calls its `register_for_auto_class`",
+        {"5.24.0": "ed9092026e36ecf6", "5.25.0": "d98ecb17b72c8431"},
+        "with `trust_remote_code` it registers the class and calls its `register_for_auto_class` (5.25 takes the hub "
+        "arguments by name and passes `_from_auto` with them: the remote-code branch is unchanged)",
         users=("FlexModelMixin.register_for_auto_class", "write_remote_code_module"),
     ),
     f"{_AUTO}._LazyAutoMapping.__getitem__": Upstream(
@@ -668,3 +783,22 @@ UPSTREAM: dict[str, Upstream] = {
         users=("register", "unregister"),
     ),
 }
+
+
+def main() -> int:
+    """Print the installed transformers' fingerprint of every entry against the table; returns 1 if any differs."""
+    installed = installed_version()
+    version = checked_version(installed)
+    if installed != version:
+        print(unknown_version_message(installed), file=sys.stderr)
+    differs = 0
+    for name, entry in UPSTREAM.items():
+        found = found_fingerprint(name)
+        expected = entry.fingerprint_at(version)
+        differs += found != expected
+        print(f"{name}: {found}" + ("" if found == expected else f"  (transformers=={version}: {expected})"))
+    return 1 if differs or installed != version else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

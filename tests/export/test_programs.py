@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers.generation.logits_process import LogitsProcessorList, SuppressTokensAtBeginLogitsProcessor
+from transformers.models.llama import modeling_llama
 
 from tests.export.helpers import (
     CAPACITY,
@@ -20,7 +21,7 @@ from tests.export.helpers import (
     assert_matches_eager_for_every_shape,
     assert_same_greedy,
 )
-from tests.helpers import in_double
+from tests.helpers import in_double, python_calls
 from tests.model_cases import (
     BART,
     GEMMA3_TEXT,
@@ -50,6 +51,7 @@ from transformers_flexcache.export import (
     greedy_generate,
 )
 from transformers_flexcache.export.rewrites import KERNEL_BMM
+from transformers_flexcache.source_check import original_code
 
 # Whisper's log-mel features always give max_source_positions encoder positions: only the batch varies.
 WHISPER_FEATURE_SHAPES = [(4, WHISPER_MAX_SOURCE_POSITIONS), (1, WHISPER_MAX_SOURCE_POSITIONS)]
@@ -419,3 +421,18 @@ def test_generate_applies_upstream_logits_processors_where_upstream_generate_app
     expected = upstream.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, begin_suppress_tokens=first)
     assert not torch.equal(tokens, plain)
     assert torch.equal(tokens, expected), (tokens, expected)
+
+
+def test_an_export_traces_upstreams_own_code_behind_kernels_wrappers_and_holds_only_the_model_s_parameters():
+    # transformers 5.25's `kernels` wraps LlamaAttention (`use_kernelized_func`) and turns `apply_rotary_pos_emb` into
+    # a module called through a per-instance dispatch: the export must still trace upstream's function, and find no
+    # state of the wrappers in the model.
+    rotary = original_code(modeling_llama.apply_rotary_pos_emb)
+    _, flex = ONE_LAYER["llama"].build()
+    with python_calls(rotary) as calls:
+        programs = export_decoder_only(flex, **LLAMA_CAPACITY)
+    assert calls, "the exported programs do not run upstream's apply_rotary_pos_emb"
+    parameters = set(dict(flex.named_parameters()))
+    for name, program in programs.programs.items():
+        held = {parameter.removeprefix("owner.model.") for parameter in program.graph_signature.parameters}
+        assert held == parameters, name

@@ -137,3 +137,38 @@ def test_a_bfloat16_model_generates_as_upstream_with_its_recurrent_state_in_floa
     assert_same_generation(expected, actual)
     assert actual.cache.get_recurrent_state(MAMBA_LAYER).dtype == torch.float32
     assert expected.cache.get_recurrent_state(MAMBA_LAYER).dtype == torch.float32
+
+
+@pytest.mark.parametrize("shape_policy", ["exact", "padded"])
+def test_the_length_at_a_mamba_layer_is_the_attention_layers_and_what_dynamic_cache_counts_at_every_step(
+    models, shape_policy
+):
+    # transformers 5.25 answers `get_seq_length()` (layer 0, Mamba here) from the Mamba layer's own token count, 5.24
+    # from the first attention layer; ours answers from the attention layer on both, and must agree with either.
+    upstream, flex = models
+    inputs = JAMBA.make_inputs(3, 6, torch.Generator().manual_seed(15))
+    dynamic = DynamicCache(config=upstream.config)
+    cache = FlexibleStaticCache(config=flex.config, max_batch_size=4, max_cache_len=16, shape_policy=shape_policy)
+    step = dict(inputs)
+    with torch.no_grad():
+        for _ in range(4):
+            want = upstream(**step, cache=dynamic, use_cache=True).logits
+            got = flex(**step, cache=cache, use_cache=True).logits
+            torch.testing.assert_close(got[:, -1], want[:, -1], atol=1e-5, rtol=0)
+            length = int(dynamic.get_seq_length())
+            assert length == step["attention_mask"].shape[1]
+            assert int(cache.get_seq_length()) == int(cache.get_seq_length(MAMBA_LAYER)) == length
+            assert int(cache.get_seq_length(1)) == int(dynamic.get_seq_length(1)) == length
+            next_tokens = want[:, -1].argmax(-1, keepdim=True)
+            mask = torch.cat([step["attention_mask"], torch.ones(3, 1, dtype=torch.long)], dim=1)
+            step = {"input_ids": next_tokens, "attention_mask": mask}
+
+
+def test_assisted_generation_on_the_mamba_states_is_refused_as_past_recording(models):
+    # transformers 5.24 refuses assisted generation for Jamba itself (a stateful model); 5.25 rolls Mamba states back
+    # through past recording, which our fixed-size states refuse.
+    upstream, flex = models
+    _, assistant = JAMBA.build(seed=1)
+    inputs = JAMBA.make_inputs(1, 5, torch.Generator().manual_seed(16))
+    with pytest.raises((ValueError, NotImplementedError), match=r"past recording|stateful models"):
+        flex.generate(**inputs, cache_implementation="flexible_static", assistant_model=assistant, max_new_tokens=4)

@@ -510,3 +510,26 @@ def test_seat_layers_of_both_kinds_refuse_what_moves_rows_outside_the_engine(cal
     for layer in kinds.values():
         with pytest.raises((ValueError, NotImplementedError), match=message):
             call(layer)
+
+
+def test_a_decode_step_writes_the_recurrent_state_it_is_handed_into_the_seats_and_answers_lengths_per_seat():
+    # transformers 5.25's Jamba mixer hands a decode step's recurrent state back through `update_recurrent_state`
+    # (5.24's writes the view in place), and asks `get_seq_length()` of layer 0, a Mamba layer.
+    from transformers_flexcache.cache import layer_specs_for_model
+    from transformers_flexcache.cache.seats import FlexibleSeatCache
+
+    jamba = next(case for case in MODEL_CASES if case.name == "jamba")
+    _, flex = jamba.build()
+    layer_specs, _ = layer_specs_for_model(flex)
+    cache = FlexibleSeatCache(layer_specs=layer_specs, max_batch_size=3, max_cache_len=8)
+    (channels, state_size) = layer_specs[0].recurrent_shape
+    cache.admit(torch.tensor([0, 1]), torch.ones(2, 4, dtype=torch.bool), torch.tensor([4, 3]))
+    cache.begin_decode(span=2, window=5)
+    assert cache.get_seq_length(0).tolist() == cache.get_seq_length(1).tolist() == [[4], [3]]
+    state = torch.randn(2, channels, state_size, generator=torch.Generator().manual_seed(0))
+    returned = cache.update_recurrent_state(state, 0)
+    cache.end_step()
+    torch.testing.assert_close(returned, state, rtol=0, atol=0)
+    assert returned.data_ptr() in cache.data_ptrs()
+    with pytest.raises(ValueError, match="only answered during a step of the serving engine"):
+        cache.update_recurrent_state(state, 0)

@@ -21,7 +21,7 @@ from .capacity import Reservation
 from .config import ON_OVERFLOW_CHOICES, SHAPE_POLICIES, Overflow, check_choice, check_positive_int, overflow_message
 from .layers import FlexibleStaticLayer, LayerSpec
 from .lifecycle import FlexibleStorage
-from .linear_attention import FlexibleLinearAttentionLayer
+from .linear_attention import FlexibleLinearAttentionLayer, length_layer_idx
 
 logger = get_logger(__name__)
 
@@ -252,8 +252,14 @@ class FlexibleLayerCache(FlexibleStorage, Cache):
         self.ensure_capacity(batch_size=batch_size, length=0)
 
     def get_seq_length(self, layer_idx: int = 0):
+        """Overrides `transformers.cache_utils.Cache.get_seq_length` (transformers==5.25.0).
+
+        Differences: a linear-attention `layer_idx` is answered by the first attention layer (`length_layer_idx`), as
+        transformers 5.24 answered it, where 5.25 reads the linear-attention layer's own token count (see
+        `linear_attention.py` for why ours keeps none); and a stale cache raises.
+        """
         self._check_live()
-        return super().get_seq_length(layer_idx)
+        return super().get_seq_length(length_layer_idx(self.layers, layer_idx))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._check_live()

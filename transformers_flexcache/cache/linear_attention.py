@@ -16,6 +16,16 @@ Design decisions:
 - Models reach the states through the cache's accessors (`LinearAttentionStates`, a base of `FlexibleStaticCache`),
   named as upstream's `Cache` names them: `get_conv_state`, `update_conv_state`, `get_recurrent_state`,
   `update_recurrent_state`.
+- The length lives in the attention layers, on every supported transformers (5.24 and 5.25). transformers 5.25 gave
+  linear-attention layers a token count of their own (`cumulative_length_linear`, advanced by `update_conv_state` and
+  by `increase_count`, which its Jamba mixer calls at every decode step) and made `Cache.get_seq_length()` read layer
+  0 whatever its kind; 5.24's mixer never reports a decode step, and its `Cache.get_seq_length` answered a
+  linear-attention layer from the first attention layer. Our caches keep 5.24's answer (`length_layer_idx`), which is
+  what 5.25's count holds in every call we serve (no past recording, no crop), as an int or a 0-d tensor as the
+  policy's attention layers keep it: so `increase_count` has nothing to do, and a linear-attention layer has no
+  `get_seq_length` of its own (it refuses, naming the cache's).
+- `update_recurrent_state` also takes a list of states (transformers 5.25 passes the last steps' states when the
+  past is recorded): the last one is the state. Past recording is refused, so no history is kept.
 """
 
 from __future__ import annotations
@@ -23,7 +33,7 @@ from __future__ import annotations
 import copy
 
 import torch
-from transformers.cache_utils import LinearAttentionCacheLayerMixin
+from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 from transformers.configuration_utils import PreTrainedConfig
 
 from .layers import LayerSpec, mark_static
@@ -35,7 +45,7 @@ LINEAR_ATTENTION_CONFIG_NAMES = ("hidden_size", "mamba_expand", "mamba_d_conv", 
 def linear_attention_shapes(config: PreTrainedConfig) -> tuple[tuple[int, int], tuple[int, int]]:
     """Per-row shapes `((C, K), (C, N))` of a linear-attention layer's conv state and recurrent state.
 
-    Read as `JambaMambaMixer.__init__` reads them (transformers==5.24.0): `C = mamba_expand * hidden_size`,
+    Read as `JambaMambaMixer.__init__` reads them (transformers==5.24.0 and 5.25.0): `C = mamba_expand * hidden_size`,
     `K = mamba_d_conv`, `N = mamba_d_state`. A config that names them otherwise is refused rather than guessed; every
     update also checks the shapes it receives against the storage.
 
@@ -57,6 +67,37 @@ def recurrent_dtype(dtype: torch.dtype) -> torch.dtype:
     # Upstream's Mamba scan multiplies by float32 `A`, so the recurrent state it caches has the promoted dtype
     # (float32 for a bfloat16 model). Storing it in the model's dtype would round it and change the outputs.
     return torch.promote_types(dtype, torch.float32)
+
+
+def is_linear_attention_layer(layer) -> bool:
+    """Whether `layer` holds linear-attention states and no keys and values (upstream's `Cache.is_linear`)."""
+    return isinstance(layer, LinearAttentionCacheLayerMixin) and not isinstance(layer, CacheLayerMixin)
+
+
+def length_layer_idx(layers: list, layer_idx: int) -> int:
+    """The layer whose length answers `get_seq_length(layer_idx)`: `layer_idx`, or the first attention layer when
+    `layer_idx` is a linear-attention one (as upstream's `Cache.get_mask_sizes` finds it, and its `get_seq_length` did
+    up to transformers 5.24). Our caches always hold an attention layer (they refuse a config without one)."""
+    if not 0 <= layer_idx < len(layers) or not is_linear_attention_layer(layers[layer_idx]):
+        return layer_idx
+    return next(idx for idx, layer in enumerate(layers) if not is_linear_attention_layer(layer))
+
+
+def refuse_layer_seq_length(layer) -> None:
+    # A linear-attention layer of ours keeps no token count: the cache answers from its attention layers.
+    raise ValueError(
+        f"{type(layer).__name__} has no length axis and keeps no token count; ask the cache: "
+        "cache.get_seq_length(layer_idx) answers a linear-attention layer from the first attention layer"
+    )
+
+
+def last_recurrent_state(recurrent_states: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+    """The state to keep: `recurrent_states` itself, or the last of a list of the last steps' states (what
+    transformers 5.25's `update_recurrent_state` may be given; without past recording the others are not kept)."""
+    # recurrent_states: [B, C, N] or a list of them -> [B, C, N]
+    if isinstance(recurrent_states, torch.Tensor):
+        return recurrent_states
+    return recurrent_states[-1]
 
 
 class FlexibleLinearAttentionLayer(LinearAttentionCacheLayerMixin):
@@ -122,6 +163,13 @@ class FlexibleLinearAttentionLayer(LinearAttentionCacheLayerMixin):
         # Storage is allocated in __init__; nothing is left to initialize lazily.
         return None
 
+    def get_seq_length(self) -> int:
+        refuse_layer_seq_length(self)
+
+    def increase_count(self, state_idx: int = 0) -> None:
+        # transformers 5.25's mixer reports each decode step here; the attention layers count it (module docstring).
+        return None
+
     def get_conv_state(self) -> torch.Tensor | None:  # -> [B, C, K], or None before this call's prefill
         return self._conv_storage[: self.batch_size] if self.has_previous_state[0] else None
 
@@ -167,7 +215,8 @@ class FlexibleLinearAttentionLayer(LinearAttentionCacheLayerMixin):
             # index_select makes a new tensor first, so copying it back over its own source is safe.
             live.copy_(live.index_select(0, beam_idx))
 
-    def activate_past_recording(self):
+    def activate_past_recording(self, **kwargs):
+        # kwargs: transformers 5.25 passes `recurrent_states_to_keep`.
         raise NotImplementedError(
             "past recording (assisted generation, rollback) is not supported by FlexibleStaticCache's linear-attention "
             "layers: their states have a fixed size"
@@ -204,8 +253,8 @@ class FlexiblePaddedLinearAttentionLayer(FlexibleLinearAttentionLayer):
     In padded mode `generate` runs every call at the same batch, so the live batch (a Python int) is the same at every
     step of every call and a compiled decode step guards on a constant, as upstream's `LinearAttentionLayer`
     (compileable, static addresses) does. Being compileable also matters in eager: upstream drops a decode step's
-    causal mask under SDPA unless the cache is compileable (`create_causal_mask`, transformers==5.24.0), and the padded
-    attention layers of a hybrid model need that mask to hide the positions not written yet.
+    causal mask under SDPA unless the cache is compileable (`create_causal_mask`, transformers==5.24.0 and 5.25.0),
+    and the padded attention layers of a hybrid model need that mask to hide the positions not written yet.
     """
 
     is_compileable = True
@@ -339,7 +388,8 @@ class LinearAttentionStates:
         """Write the recurrent (SSM) state of linear-attention layer `layer_idx`.
 
         Args:
-            recurrent_states (`torch.Tensor`): `[B, C, N]` the state after this call's tokens.
+            recurrent_states (`torch.Tensor` or `list[torch.Tensor]`): `[B, C, N]` the state after this call's tokens,
+                or a list of the last steps' states, of which the last is kept (`last_recurrent_state`).
             layer_idx (`int`): a linear-attention decoder layer.
             state_idx (`int`, *optional*, defaults to 0): which state; these layers hold one.
 
@@ -352,6 +402,7 @@ class LinearAttentionStates:
                 Nothing is written in any of these cases.
         """
         layer = self._linear_layer(layer_idx, state_idx)
+        recurrent_states = last_recurrent_state(recurrent_states)
         if tuple(recurrent_states.shape[1:]) != layer.recurrent_shape:
             raise ValueError(
                 f"recurrent_states of shape {tuple(recurrent_states.shape)} do not fit layer {layer_idx}, allocated "

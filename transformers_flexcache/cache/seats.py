@@ -36,6 +36,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, EncoderDecoderCache, LinearAttentionCacheLayerMixin
 
 from .layers import LayerSpec
+from .linear_attention import last_recurrent_state, length_layer_idx, refuse_layer_seq_length
 
 ADMISSION, DECODE = "admission", "decode"
 
@@ -233,12 +234,26 @@ class FlexibleSeatLinearAttentionLayer(_SeatLayerRefusals, LinearAttentionCacheL
         return full
 
     def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
-        # admission: recurrent_states [A, C, N] -> the same
-        if self.steps.mode != ADMISSION:
-            raise _not_in_a_step("update_recurrent_state outside an admission")
-        rows, _ = self.steps.on(self.device)
-        self._recurrent_storage[rows] = recurrent_states
-        return recurrent_states
+        # admission: recurrent_states [A, C, N] -> the same; decode: [B, C, N] -> a view of seats [:B]
+        recurrent_states = last_recurrent_state(recurrent_states)
+        if self.steps.mode == ADMISSION:
+            rows, _ = self.steps.on(self.device)
+            self._recurrent_storage[rows] = recurrent_states
+            return recurrent_states
+        if self.steps.mode != DECODE:
+            raise _not_in_a_step("update_recurrent_state")
+        # transformers 5.25's mixer updates a copy of the state and hands it back here at every decode step (5.24's
+        # updates the view of `recurrent_states` in place): copied into the seats, so that both land in the storage.
+        live = self._recurrent_storage[: self.steps.span]
+        live.copy_(recurrent_states)
+        return live
+
+    def get_seq_length(self) -> int:
+        refuse_layer_seq_length(self)
+
+    def increase_count(self, state_idx: int = 0) -> None:
+        # transformers 5.25's mixer reports each decode step here; the engine counts each seat's columns.
+        return None
 
     def copy_rows(self, destination: torch.Tensor, source: torch.Tensor, length: int) -> None:
         """Rows `destination` take the states of rows `source` (beam reordering)."""
@@ -249,7 +264,7 @@ class FlexibleSeatLinearAttentionLayer(_SeatLayerRefusals, LinearAttentionCacheL
     def reset(self) -> None:
         return None
 
-    def activate_past_recording(self):
+    def activate_past_recording(self, **kwargs):
         raise NotImplementedError("past recording is not supported by a seat cache")
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -408,6 +423,15 @@ class FlexibleSeatCache(Cache):
                 f"max_cache_len={self.max_cache_len}"
             )
         return layer.get_kv(batch_size, length)
+
+    def get_seq_length(self, layer_idx: int = 0):
+        """Overrides `transformers.cache_utils.Cache.get_seq_length` (transformers==5.25.0).
+
+        Differences: a linear-attention `layer_idx` is answered by the first attention layer (`length_layer_idx`), as
+        transformers 5.24 answered it: each seat's length is in the engine's columns, not in a count of the Mamba
+        layers.
+        """
+        return super().get_seq_length(length_layer_idx(self.layers, layer_idx))
 
     def is_recording_past(self, layer_idx: int) -> bool:
         return False

@@ -26,8 +26,9 @@ _AUTO_CLASSES = {
 # Why a supported model type cannot be exported yet (checked before loading).
 NOT_EXPORTABLE = {
     "jamba": (
-        "its Mamba scan is a Python loop over the prompt length (transformers 5.24, modeling_jamba.py:422, "
-        "`for index in range(seq_len)`; the associative-scan path is disabled under torch.export), so torch.export "
+        "its Mamba scan is a Python loop over the prompt length (`for index in range(seq_len)` in modeling_jamba.py's "
+        "`mamba_selective_scan`, transformers 5.24 and 5.25; the associative-scan path is disabled under torch.export), "
+        "so torch.export "
         "specializes the prompt length to the traced one; a one-token step does export, and a token-by-token "
         "prefill on it with the conv/ssm states as buffers is what would be needed (see docs/export.md, 'Jamba')"
     ),

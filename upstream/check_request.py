@@ -39,11 +39,11 @@ class _RefuseFlexcache(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, _RefuseFlexcache())
 
 import torch  # noqa: E402
+import torch._dynamo.testing  # noqa: E402
 import transformers  # noqa: E402
 from transformers import (  # noqa: E402
     BartConfig,
     BartForConditionalGeneration,
-    DynamicCache,
     EncoderDecoderCache,
     JambaConfig,
     JambaForCausalLM,
@@ -68,35 +68,92 @@ MEL_BINS, MEL_FRAMES = 8, 32  # Whisper: input features (batch, mel bins, 2 * ma
 
 def _t5():
     return T5ForConditionalGeneration(
-        T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
-                 decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, tie_word_embeddings=False)
+        T5Config(
+            vocab_size=VOCAB,
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_decoder_layers=2,
+            num_heads=4,
+            decoder_start_token_id=0,
+            pad_token_id=0,
+            eos_token_id=1,
+            tie_word_embeddings=False,
+        )
     )
 
 
 def _bart():
     return BartForConditionalGeneration(
-        BartConfig(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-                   decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=256,
-                   pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, forced_bos_token_id=None,
-                   forced_eos_token_id=None, tie_word_embeddings=False)
+        BartConfig(
+            vocab_size=VOCAB,
+            d_model=32,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=64,
+            max_position_embeddings=256,
+            pad_token_id=1,
+            bos_token_id=0,
+            eos_token_id=2,
+            decoder_start_token_id=2,
+            forced_bos_token_id=None,
+            forced_eos_token_id=None,
+            tie_word_embeddings=False,
+        )
     )
 
 
 def _whisper():
     return WhisperForConditionalGeneration(
-        WhisperConfig(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-                      decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=MEL_BINS,
-                      max_source_positions=MEL_FRAMES // 2, max_target_positions=256, pad_token_id=1, bos_token_id=0,
-                      eos_token_id=2, decoder_start_token_id=3, suppress_tokens=None, begin_suppress_tokens=None,
-                      tie_word_embeddings=False)
+        WhisperConfig(
+            vocab_size=VOCAB,
+            d_model=32,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=64,
+            num_mel_bins=MEL_BINS,
+            max_source_positions=MEL_FRAMES // 2,
+            max_target_positions=256,
+            pad_token_id=1,
+            bos_token_id=0,
+            eos_token_id=2,
+            decoder_start_token_id=3,
+            suppress_tokens=None,
+            begin_suppress_tokens=None,
+            tie_word_embeddings=False,
+        )
     )
 
 
 def _pix2struct():
-    text = dict(vocab_size=VOCAB, hidden_size=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, pad_token_id=0,
-                eos_token_id=1, decoder_start_token_id=0, tie_word_embeddings=False)
-    vision = dict(hidden_size=32, patch_embed_hidden_size=PATCH_DIM - 2, d_kv=8, d_ff=64, num_hidden_layers=2,
-                  num_attention_heads=4, seq_len=4096)
+    text = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=4,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+        tie_word_embeddings=False,
+    )
+    vision = dict(
+        hidden_size=32,
+        patch_embed_hidden_size=PATCH_DIM - 2,
+        d_kv=8,
+        d_ff=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        seq_len=4096,
+    )
     return Pix2StructForConditionalGeneration(
         Pix2StructConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
     )
@@ -104,19 +161,47 @@ def _pix2struct():
 
 def _llama():
     return LlamaForCausalLM(
-        LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
-                    eos_token_id=2, tie_word_embeddings=False)
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            tie_word_embeddings=False,
+        )
     )
 
 
 def _jamba():
     return JambaForCausalLM(
-        JambaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1,
-                    expert_layer_period=2, expert_layer_offset=1, num_experts=2, num_experts_per_tok=1,
-                    mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4, use_mamba_kernels=False,
-                    pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+        JambaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            num_experts=2,
+            num_experts_per_tok=1,
+            mamba_d_state=8,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_dt_rank=4,
+            use_mamba_kernels=False,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            tie_word_embeddings=False,
+        )
     )
 
 
@@ -167,19 +252,24 @@ def user_cache(model):
 
 
 def generate(model, call_inputs, **kwargs):
+    """Greedy tokens and raw logits (batch, new tokens, vocab) of one call."""
     out = model.generate(
-        **call_inputs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, output_scores=True,
-        return_dict_in_generate=True, **kwargs,
+        **call_inputs,
+        max_new_tokens=NEW_TOKENS,
+        min_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        **kwargs,
     )
-    return out.sequences, torch.stack(out.scores, dim=1)
+    return out.sequences, torch.stack(out.logits, dim=1)
 
 
 def compare(reference, result) -> str | None:
     (ref_tokens, ref_scores), (tokens, scores) = reference, result
     if not torch.equal(ref_tokens, tokens):
         return f"tokens differ: {ref_tokens.tolist()} vs {tokens.tolist()}"
-    # both -inf where a logits processor banned a token: no difference
-    diff = (ref_scores - scores).abs().nan_to_num(nan=0.0).max().item()
+    diff = (ref_scores - scores).abs().max().item()
     return None if diff < 1e-4 else f"scores differ by {diff:.2e}"
 
 
@@ -198,12 +288,18 @@ def run_mode(model_type: str, attn: str, mode: str) -> tuple[int, int, str]:
         reference = generate(model, call_inputs)
         try:
             if mode == "static":
-                result = generate(model, call_inputs, cache_implementation="static", max_cache_len=MAX_CACHE_LEN,
-                                  max_encoder_len=MAX_ENCODER_LEN, max_batch_size=MAX_BATCH_SIZE)
+                result = generate(
+                    model,
+                    call_inputs,
+                    cache_implementation="static",
+                    max_cache_len=MAX_CACHE_LEN,
+                    max_encoder_len=MAX_ENCODER_LEN,
+                    max_batch_size=MAX_BATCH_SIZE,
+                )
             else:
                 cache.reset()
                 if mode == "compiled":
-                    result = generate_compiled(model, compiled, call_inputs, cache)
+                    result = decode_compiled(model, compiled, call_inputs, cache, reference[0])
                 else:
                     result = generate(model, call_inputs, past_key_values=cache)
             problem = compare(reference, result)
@@ -218,8 +314,9 @@ def run_mode(model_type: str, attn: str, mode: str) -> tuple[int, int, str]:
     return passed, len(CALLS), "; ".join(notes)
 
 
-def generate_compiled(model, compiled_forward, call_inputs, cache):
-    """Greedy decoding by hand: the prefill eager, every decode step through `compiled_forward`."""
+def decode_compiled(model, compiled_forward, call_inputs, cache, reference_tokens):
+    """Decoding by hand along DynamicCache's tokens: the prefill eager, every decode step through `compiled_forward`.
+    Returns DynamicCache's tokens and the logits of each step."""
     kwargs = {"cache": cache, "use_cache": True}
     if model.config.is_encoder_decoder:
         kwargs["encoder_outputs"] = model.get_encoder()(**{k: v for k, v in call_inputs.items()})
@@ -234,22 +331,22 @@ def generate_compiled(model, compiled_forward, call_inputs, cache):
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         kwargs["attention_mask"] = mask
         step_inputs = {"input_ids": ids, "position_ids": positions}
-    scores, tokens = [], ids
+    scores = []
+    new_tokens = reference_tokens[:, -NEW_TOKENS:]
     forward = model.forward
     with torch.no_grad():
-        for _ in range(NEW_TOKENS):
+        for step in range(NEW_TOKENS):
             logits = forward(**step_inputs, **kwargs).logits[:, -1].float()
             forward = compiled_forward
             scores.append(logits)
-            next_tokens = logits.argmax(-1, keepdim=True)
-            tokens = torch.cat([tokens, next_tokens], dim=-1)
+            next_tokens = new_tokens[:, step : step + 1]
             if model.config.is_encoder_decoder:
                 step_inputs = {"decoder_input_ids": next_tokens}
             else:
                 kwargs["attention_mask"] = torch.cat([kwargs["attention_mask"], torch.ones_like(next_tokens)], dim=-1)
                 positions = positions[:, -1:] + 1
                 step_inputs = {"input_ids": next_tokens, "position_ids": positions}
-    return tokens, torch.stack(scores, dim=1)
+    return reference_tokens, torch.stack(scores, dim=1)
 
 
 def main(argv=None) -> int:

@@ -43,7 +43,7 @@ echo "patch                                                                files
 while read -r name; do
   patch -p1 --dry-run -s -d "$WORK/patched" < "$HERE/$name" || { echo "$name does not apply" >&2; exit 1; }
   patch -p1 -s -d "$WORK/patched" < "$HERE/$name"
-  git apply --numstat "$HERE/$name" | awk -v n="$name" '{f++; a+=$1; r+=$2} END {printf "%-68s %5d %6d %8d\n", n, f, a, r}'
+  (cd "$WORK" && git apply --numstat "$HERE/$name") | awk -v n="$name" '{f++; a+=$1; r+=$2} END {printf "%-68s %5d %6d %8d\n", n, f, a, r}'
 done < "$HERE/series"
 
 # A venv that sees the caller's packages (torch) after its own: a .pth file lists the caller's site folders (their own

@@ -14,9 +14,10 @@ and sdpa:
    (`torch._dynamo.testing.CompileCounter`, dynamic shapes) after the prefill: the number of graphs over the five
    calls of different batch and encoder length.
 
-Each call's tokens must equal DynamicCache's (plain `generate`) and its scores agree within 1e-4. Whisper's encoder
-output has one length (its input features are fixed), so only its batch varies. Prints one line per model, mode and
-attention, and exits 1 if any check fails.
+Each call's tokens must equal DynamicCache's (plain `generate`) and its logits agree within 1e-4. Every call passes
+`use_cache=True`: Pix2Struct's configs default to False (see the eighth patch). Whisper's encoder output has one length
+(its input features are fixed), so only its batch varies. Prints one line per model, mode and attention, and exits 1
+if any check fails.
 
 Usage: python upstream/check_request.py [--models t5,bart,...] [--attn eager,sdpa] [--no-compile]
 """
@@ -252,9 +253,11 @@ def user_cache(model):
 
 
 def generate(model, call_inputs, **kwargs):
-    """Greedy tokens and raw logits (batch, new tokens, vocab) of one call."""
+    """Greedy tokens and raw logits (batch, new tokens, vocab) of one call. `use_cache=True` for all: Pix2Struct's
+    configs default to False, which would make the reference uncached and ignore `cache_implementation`."""
     out = model.generate(
         **call_inputs,
+        use_cache=True,
         max_new_tokens=NEW_TOKENS,
         min_new_tokens=NEW_TOKENS,
         do_sample=False,

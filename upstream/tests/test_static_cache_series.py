@@ -34,7 +34,6 @@ if is_torch_available():
         JambaForCausalLM,
         LlamaConfig,
         LlamaForCausalLM,
-        Pix2StructTextConfig,
         StaticCache,
         T5Config,
         T5ForConditionalGeneration,
@@ -276,7 +275,7 @@ class UserCacheTest(unittest.TestCase):
 
 @require_torch
 class PerModelTest(unittest.TestCase):
-    """Patch 8 (tests/models/whisper/test_modeling_whisper.py, tests/models/pix2struct/test_modeling_pix2struct.py)."""
+    """Patch 8 (tests/models/whisper/test_modeling_whisper.py, tests/generation/test_utils.py)."""
 
     def test_whisper_masks_a_cross_attention_cache_longer_than_the_encoder(self):
         torch.manual_seed(0)
@@ -292,9 +291,6 @@ class PerModelTest(unittest.TestCase):
         cache = _static_cross_cache(config, max_cache_len=16, max_encoder_len=40, max_batch_size=2)
         out = model.generate(features, max_new_tokens=4, do_sample=False, cache=cache)
         self.assertListEqual(out.tolist(), expected.tolist())
-
-    def test_pix2struct_text_config_uses_cache_by_default(self):
-        self.assertTrue(Pix2StructTextConfig().use_cache)
 
     def test_a_cache_passed_to_generate_is_used_even_if_the_config_disables_caching(self):
         model = _t5()

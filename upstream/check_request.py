@@ -24,6 +24,7 @@ Usage: python upstream/check_request.py [--models t5,bart,...] [--attn eager,sdp
 
 import argparse
 import importlib.abc
+import os
 import sys
 import warnings
 
@@ -37,6 +38,8 @@ class _RefuseFlexcache(importlib.abc.MetaPathFinder):
         return None
 
 
+# Off the path too: an editable install puts this repository's root on it
+sys.path[:] = [entry for entry in sys.path if not os.path.isdir(os.path.join(entry or ".", "transformers_flexcache"))]
 sys.meta_path.insert(0, _RefuseFlexcache())
 
 import torch  # noqa: E402

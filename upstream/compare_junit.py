@@ -1,0 +1,60 @@
+"""Compare two JUnit XML reports of the same tests (unpatched and patched transformers), per test file.
+
+Usage: python upstream/compare_junit.py UNPATCHED.xml PATCHED.xml
+
+Prints, per test file, the tests run and their outcomes on each side, then every test whose outcome differs. A test
+with subtests counts as failed if any subtest failed. Exits 0; the reader judges the differences.
+"""
+
+import sys
+import xml.etree.ElementTree as ET
+from collections import Counter, defaultdict
+
+
+def outcomes(path: str) -> dict[str, str]:
+    """Test id -> 'passed', 'failed' or 'skipped'."""
+    result: dict[str, str] = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        test_id = f"{case.get('classname', '')}::{case.get('name', '')}"
+        if case.find("failure") is not None or case.find("error") is not None:
+            outcome = "failed"
+        elif case.find("skipped") is not None:
+            outcome = "skipped"
+        else:
+            outcome = "passed"
+        if result.get(test_id) != "failed":  # subtests repeat the id: one failure fails the test
+            result[test_id] = outcome
+    return result
+
+
+def test_file(test_id: str) -> str:
+    module = test_id.split("::")[0]
+    return "/".join(module.split(".")[:-1]) + ".py" if "." in module else module
+
+
+def main(argv: list[str]) -> int:
+    before, after = outcomes(argv[0]), outcomes(argv[1])
+    counts: dict[str, dict[str, Counter]] = defaultdict(lambda: {"before": Counter(), "after": Counter()})
+    for side, results in (("before", before), ("after", after)):
+        for test_id, outcome in results.items():
+            counts[test_file(test_id)][side][outcome] += 1
+    print(f"{'test file':<52} {'unpatched pass/fail/skip':>26} {'patched pass/fail/skip':>24}")
+    for name in sorted(counts):
+        b, a = counts[name]["before"], counts[name]["after"]
+        print(
+            f"{name:<52} {b['passed']:>14}/{b['failed']}/{b['skipped']:<8} {a['passed']:>12}/{a['failed']}/{a['skipped']}"
+        )
+    total_b, total_a = Counter(before.values()), Counter(after.values())
+    print(
+        f"{'total':<52} {total_b['passed']:>14}/{total_b['failed']}/{total_b['skipped']:<8} "
+        f"{total_a['passed']:>12}/{total_a['failed']}/{total_a['skipped']}"
+    )
+    changed = sorted(t for t in set(before) | set(after) if before.get(t) != after.get(t))
+    print(f"\n{len(changed)} test(s) with a different outcome:")
+    for test_id in changed:
+        print(f"  {before.get(test_id, 'absent')} -> {after.get(test_id, 'absent')}  {test_id}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

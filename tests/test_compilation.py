@@ -134,12 +134,21 @@ def test_fbgemm_int8_linears_are_marked_before_freezing_with_dot_products_for_fe
 
 
 @pytest.mark.parametrize(
-    ("vnni", "fbgemm", "expected"),
-    [(True, True, "library"), (False, True, "fbgemm"), (False, False, "inductor")],
+    ("facts", "fbgemm", "expected"),
+    [
+        ({"vnni": False}, True, "fbgemm"),
+        ({"vnni": True}, True, "fbgemm"),
+        ({"amx": True}, True, "library"),
+        ({"vnni": True}, False, "library"),
+        ({"vnni": False}, False, "inductor"),
+    ],
+    ids=["no-vnni", "vnni", "amx", "vnni-without-fbgemm", "neither"],
 )
-def test_auto_int8_linears_are_fbgemm_s_where_the_cpu_has_no_vnni(monkeypatch, vnni, fbgemm, expected):
+def test_auto_int8_linears_are_fbgemm_s_where_torch_has_fbgemm_and_the_cpu_no_amx(
+    monkeypatch, facts, fbgemm, expected
+):
     monkeypatch.setattr(linear_kernels, "has_fbgemm", lambda: fbgemm)
-    with cpu.forced(vnni=vnni):
+    with cpu.forced(**facts):
         assert linear_kernels.resolve_int8_linears("auto") == expected
         passes = compile_config_for_cpu().options.get("joint_custom_post_pass")
     assert (
@@ -220,9 +229,9 @@ def test_one_row_dot_products_read_their_input_stored_once_not_recomputed_for_ev
     ("vendor", "expected"), [("GenuineIntel", "mkl"), ("AuthenticAMD", "onednn"), (None, "onednn")]
 )
 def test_auto_linear_kernels_are_mkl_on_intel_cpus_only_as_ctranslate2_chooses(vendor, expected):
-    with cpu.forced(vendor=vendor, vnni=True):  # VNNI: no int8 pass either
+    with cpu.forced(vendor=vendor):
         assert linear_kernels.resolve_linear_kernels("auto") == expected
-        options = compile_config_for_cpu(decode_attention="library").options
+        options = compile_config_for_cpu(decode_attention="library", int8_linears="library").options  # no int8 pass
     assert ("post_grad_custom_post_pass" in options) == (expected == "onednn")
 
 

@@ -99,7 +99,7 @@ def test_forced_answers_change_every_decision_and_are_undone_after():
         assert not cpu_facts().vnni and int8_bits() == 7
         assert resolve_int8_linears("auto") in ("fbgemm", "inductor")
         assert resolve_linear_kernels("auto") == "onednn"
-        with forced(vnni=True, vendor="GenuineIntel"):  # nested: the inner answer wins, then the outer's again
+        with forced(amx=True, vendor="GenuineIntel"):  # nested: the inner answer wins, then the outer's again
             assert cpu_facts().vnni and int8_bits() == 8 and resolve_int8_linears("auto") == "library"
             assert resolve_linear_kernels("auto") == "mkl"
         assert int8_bits() == 7

@@ -418,6 +418,11 @@ def seven_bit_operands(rows: int, features: int, dtype: torch.dtype) -> tuple[to
 FBGEMM_OP = "quantized::linear_with_input_q_dq_qweight_dq_output_fp32"
 # torch has FBGEMM on x86 only (where CI runs); elsewhere `int8_linears="auto"` never picks it.
 needs_fbgemm = pytest.mark.skipif(not has_fbgemm(), reason="this torch has no FBGEMM (not an x86 build)")
+needs_vnni = pytest.mark.skipif(
+    not cpu.detected().vnni,
+    reason="8-bit int8 through oneDNN's kernels is right only on a CPU with AVX512-VNNI or AMX; this one: "
+    + cpu.detected().describe(),
+)
 
 
 @needs_fbgemm
@@ -462,17 +467,33 @@ def fbgemm_int_mm(inputs: torch.Tensor, weight: torch.Tensor, out_dtype=torch.in
 
 @needs_fbgemm
 @pytest.mark.parametrize("features", [1024, 2048])
-def test_fbgemm_int8_products_of_8_bit_weights_run_in_float64_with_a_warning(caplog, features):
+def test_fbgemm_int8_products_of_8_bit_weights_run_in_float64_with_a_warning_on_a_cpu_without_vnni(caplog, features):
     # FBGEMM's int8 products saturate on such weights without VNNI; exact in float64 instead, also where the graph
     # takes the op's result as float32 (1024 features: the sums reach 2**24 at most) and where it cannot (2048).
+    # Forced (float64 is exact on any CPU).
     inputs, weight = int8_operands(9, features, torch.int8)  # weights -128..-101
     expected = torch._int_mm(inputs, weight.t())
-    with caplog.at_level(logging.WARNING, logger="transformers_flexcache"):
+    with cpu.forced(vnni=False), caplog.at_level(logging.WARNING, logger="transformers_flexcache"):
         assert torch.equal(fbgemm_int_mm(inputs, weight), expected)
         out, ops = compiled_int_mm(inputs, weight, "fbgemm")
     assert torch.equal(out, expected)
     assert "aten::_int_mm" not in ops
     assert "holds values beyond 7 bits (-128..-101)" in caplog.text
+
+
+@needs_fbgemm
+@needs_vnni
+@pytest.mark.parametrize(("features", "dtype"), [(1024, torch.int8), (2048, torch.int8), (2048, torch.uint8)])
+def test_fbgemm_int8_products_of_8_bit_weights_are_exact_on_a_vnni_cpu(caplog, features, dtype):
+    # FBGEMM's VNNI kernels sum u8 x s8 products in 32 bits: 8-bit weights run on FBGEMM, `_int_mm`'s result bit for
+    # bit, with sums past 2**24 (2048 features).
+    inputs, weight = int8_operands(9, features, dtype)  # weights -128..-101
+    expected = (inputs.long() @ weight.long().t()).to(torch.int32)
+    with caplog.at_level(logging.WARNING, logger="transformers_flexcache"):
+        assert torch.equal(fbgemm_int_mm(inputs, weight), expected)
+        out, ops = compiled_int_mm(inputs, weight, "fbgemm")
+    assert torch.equal(out, expected)
+    assert FBGEMM_OP in ops and "beyond 7 bits" not in caplog.text
 
 
 @needs_fbgemm
@@ -491,41 +512,40 @@ def test_fbgemm_int8_encoders_compile_once_for_every_size():
     assert has_int8_variants(flex, compile_config_for_cpu(int8_linears="inductor"))
 
 
-needs_vnni = pytest.mark.skipif(
-    not cpu.detected().vnni,
-    reason="8-bit int8 through oneDNN's kernels is right only on a CPU with AVX512-VNNI or AMX; this one: "
-    + cpu.detected().describe(),
-)
-
-
-# Every route that `int8_linears="auto"` can take, each on every CPU where it can be right: the CPU's VNNI is forced
-# when the model is quantized (7 or 8 bits) and when it compiles (which kernels "auto" picks). 7-bit weights are exact
-# on every kernel, so oneDNN's route (a VNNI CPU's) runs everywhere; 8-bit weights through oneDNN only where the CPU
-# has VNNI. "inductor" (never "auto" on an x86 torch, which has FBGEMM) and oneDNN's route on T5 run under -m slow.
+# Every route that `int8_linears="auto"` can take, each on every CPU where it can be right: the CPU's answers are
+# forced when the model is quantized (7 bits without VNNI, 8 with it) and when it compiles (which kernels "auto"
+# picks: FBGEMM's where torch has it, oneDNN's on CPUs with AMX). 7-bit weights are exact on every kernel, so the
+# routes of VNNI and AMX CPUs run everywhere with them; 8-bit weights only where the CPU has VNNI (FBGEMM's and
+# oneDNN's VNNI kernels sum in 32 bits). "inductor" (never "auto" on an x86 torch, which has FBGEMM) and oneDNN's
+# route on T5 run under -m slow.
+WITHOUT_VNNI, WITH_VNNI, WITH_AMX = {"vnni": False}, {"vnni": True}, {"amx": True}
 INT8_ROUTES = [
-    pytest.param(T5, False, False, "auto", id="7-bit-fbgemm-where-no-vnni", marks=needs_fbgemm),
-    pytest.param(LLAMA, False, True, "auto", id="7-bit-onednn-where-vnni"),
-    pytest.param(T5, True, True, "auto", id="8-bit-onednn-on-a-vnni-cpu", marks=needs_vnni),
-    pytest.param(T5, False, True, "auto", id="7-bit-onednn-t5", marks=pytest.mark.slow),
-    pytest.param(T5, False, False, "inductor", id="7-bit-inductor", marks=pytest.mark.slow),
+    pytest.param(T5, WITHOUT_VNNI, WITHOUT_VNNI, "fbgemm", id="7-bit-fbgemm-where-no-vnni", marks=needs_fbgemm),
+    pytest.param(T5, WITHOUT_VNNI, WITH_VNNI, "fbgemm", id="7-bit-fbgemm-where-vnni", marks=needs_fbgemm),
+    pytest.param(LLAMA, WITHOUT_VNNI, WITH_AMX, "library", id="7-bit-onednn-where-amx"),
+    pytest.param(
+        T5, WITH_VNNI, WITH_VNNI, "fbgemm", id="8-bit-fbgemm-on-a-vnni-cpu", marks=[needs_fbgemm, needs_vnni]
+    ),
+    pytest.param(LLAMA, WITH_VNNI, WITH_AMX, "library", id="8-bit-onednn-on-a-vnni-cpu", marks=needs_vnni),
+    pytest.param(T5, WITHOUT_VNNI, WITH_AMX, "library", id="7-bit-onednn-t5", marks=pytest.mark.slow),
+    pytest.param(T5, WITHOUT_VNNI, WITHOUT_VNNI, "inductor", id="7-bit-inductor", marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize(("case", "quantized_with_vnni", "compiled_with_vnni", "int8_linears"), INT8_ROUTES)
-def test_each_compiled_int8_route_generates_the_eager_int8_tokens(
-    case, quantized_with_vnni, compiled_with_vnni, int8_linears
-):
+@pytest.mark.parametrize(("case", "quantized_on", "compiled_on", "route"), INT8_ROUTES)
+def test_each_compiled_int8_route_generates_the_eager_int8_tokens(case, quantized_on, compiled_on, route):
     # "fbgemm" runs all but the decode steps of 1-2 rows on FBGEMM, and no library int8 linear at all; "inductor"
     # the decode steps as dot products and the encoder and cross-attention projections as float GEMMs, no library
     # int8 linear but the one whose 37 features (the tiny T5's second feed-forward linear) are no multiple of 4;
     # "library" oneDNN's (or `_int_mm`), which the profile sees.
-    with cpu.forced(vnni=quantized_with_vnni):
+    with cpu.forced(**quantized_on):
         upstream, flex = quantized_pair(case)
     inputs = case.make_inputs(3, 7, torch.Generator().manual_seed(0))
     common = {"max_new_tokens": 5, "do_sample": False}
     expected, atol = eager_int8(upstream, case, inputs, **common)
-    with cpu.forced(vnni=compiled_with_vnni):
-        route = resolve_int8_linears(int8_linears)
+    with cpu.forced(**compiled_on):
+        int8_linears = "inductor" if route == "inductor" else "auto"  # the other routes as "auto" takes them
+        assert resolve_int8_linears(int8_linears) == route
         compile_config = compile_config_for_cpu(int8_linears=int8_linears)
         for _ in range(2):  # the second call, compiled
             with torch.profiler.profile(record_shapes=True) as profile:
@@ -538,7 +558,6 @@ def test_each_compiled_int8_route_generates_the_eager_int8_tokens(
                     cache_config=cache_config_for(case, "padded"),
                     compile_config=compile_config,
                 )
-    assert route == ("library" if compiled_with_vnni else "fbgemm") or int8_linears != "auto"
     assert_int8_scores(expected, actual, atol)
     # a library int8 linear: oneDNN's (frozen) or `_int_mm` (whichever this CPU's inductor picks, and eager
     # prefills), in a decode step (up to 8 rows) or in the encoder and cross-attention projections (more)

@@ -52,7 +52,8 @@ LINEAR_KERNELS = ("auto", "onednn", "mkl")
 ONE_ROW_LINEARS = ("auto", "inductor", "library")
 INT8_LINEARS = ("auto", "fbgemm", "inductor", "library")
 INT8_DOT_MAX_ROWS = 8  # int8 products of static rows up to this run as dot products (decode steps)
-# FBGEMM's int8 products are exact for weights in [-FBGEMM_WEIGHT_LIMIT, FBGEMM_WEIGHT_LIMIT) (see `Int8FbgemmMatmuls`)
+# FBGEMM's int8 products are exact for weights in [-limit, limit): 64 (7 bits) without VNNI, 128 (8 bits) with it
+# (`fbgemm_weight_limit`, see `Int8FbgemmMatmuls`)
 FBGEMM_WEIGHT_LIMIT = 64
 FBGEMM_MIN_ROWS = 3  # under int8_linears="fbgemm", int8 products of fewer static rows run as dot products
 # ... unless their weight has at least this many outputs (a vocabulary's output layer): see `Int8FbgemmMatmuls`
@@ -79,9 +80,12 @@ def resolve_one_row_linears(one_row_linears: str) -> str:
 
 
 def resolve_int8_linears(int8_linears: str) -> str:
-    """`"fbgemm"`, `"inductor"` or `"library"` for `int8_linears`: `"auto"` is the library's (oneDNN's VNNI kernels)
-    where the CPU has VNNI, elsewhere FBGEMM's int8 GEMMs (`Int8FbgemmMatmuls`) where torch has FBGEMM, else
-    inductor's dot products (oneDNN's int8 kernels without VNNI are slower than float32's).
+    """`"fbgemm"`, `"inductor"` or `"library"` for `int8_linears`. `"auto"`: on CPUs with AMX the library's (oneDNN's
+    AMX int8 kernels; not measured here); elsewhere FBGEMM's int8 GEMMs (`Int8FbgemmMatmuls`) where torch has FBGEMM
+    (x86 builds): exact at 7 bits without VNNI and at 8 bits with it, and faster than oneDNN's int8 kernels on both
+    (AMD EPYC Zen 3 without VNNI: oneDNN's 5-6x float32's at a few rows; Zen 4 with VNNI: a T5 call at 8 rows 281
+    against 348 ms, at one row 156 against 162); without FBGEMM, oneDNN's where the CPU has VNNI, else inductor's
+    dot products.
 
     Raises:
         ValueError: `int8_linears` is not one of `INT8_LINEARS`.
@@ -89,10 +93,20 @@ def resolve_int8_linears(int8_linears: str) -> str:
     if int8_linears not in INT8_LINEARS:
         raise ValueError(f"int8_linears={int8_linears!r} is not one of {INT8_LINEARS}")
     if int8_linears == "auto":
-        if cpu_facts().vnni:
+        facts = cpu_facts()
+        if facts.amx:
             return "library"
-        return "fbgemm" if has_fbgemm() else "inductor"
+        if has_fbgemm():
+            return "fbgemm"
+        return "library" if facts.vnni else "inductor"
     return int8_linears
+
+
+def fbgemm_weight_limit() -> int:
+    """FBGEMM's int8 products are exact for weights in `[-limit, limit)`: 128 (8 bits) on a CPU with VNNI, whose
+    kernels sum u8 x s8 products in 32 bits (`vpdpbusd`), else 64 (7 bits), where they sum pairs in saturating 16 bits
+    (`vpmaddubsw`: 255 x 64 x 2 < 2**15)."""
+    return 128 if cpu_facts().vnni else FBGEMM_WEIGHT_LIMIT
 
 
 def has_fbgemm() -> bool:
@@ -422,13 +436,14 @@ def _fbgemm_parts(weight: torch.Tensor, dtype: torch.dtype) -> list | None:
     """`[(start, stop, packed)]`: FBGEMM's packed weights of `weight[:, start:stop]`, chunks of the input features
     whose products sum to at most 2**24 in magnitude for inputs of `dtype`; None for a weight beyond 7 bits. Packed
     once per weight (held on the tensor, repacked if it is written in place)."""
-    key = (weight._version, dtype)
+    limit = fbgemm_weight_limit()
+    key = (weight._version, dtype, limit)
     held = getattr(weight, "_flex_fbgemm_parts", None)
     if held is not None and held[0] == key:
         return held[1]
     parts = None
-    if weight.numel() == 0 or (weight.min() >= -FBGEMM_WEIGHT_LIMIT and weight.max() < FBGEMM_WEIGHT_LIMIT):
-        step = 2**24 // ((255 if dtype == torch.uint8 else 128) * FBGEMM_WEIGHT_LIMIT)
+    if weight.numel() == 0 or (int(weight.min()) >= -limit and int(weight.max()) < limit):  # ints: 128 fits no int8
+        step = 2**24 // ((255 if dtype == torch.uint8 else 128) * limit)
         parts = [(start, min(start + step, weight.shape[1])) for start in range(0, weight.shape[1], step)]
         with _PACKING, _fbgemm_engine(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
@@ -439,8 +454,9 @@ def _fbgemm_parts(weight: torch.Tensor, dtype: torch.dtype) -> list | None:
     else:
         logger.warning(
             "int8_linears='fbgemm': a weight of shape %s holds values beyond 7 bits (%d..%d), whose products "
-            "FBGEMM's kernels may saturate on a CPU without VNNI; it is multiplied in float64 instead (exact, "
-            "slower). quantize(model, 'int8') makes 7-bit weights on such a CPU; or pass int8_linears='inductor'.",
+            "FBGEMM's kernels may saturate on this CPU, which has no VNNI; it is multiplied in float64 instead "
+            "(exact, slower). quantize(model, 'int8') makes 7-bit weights on such a CPU; or pass "
+            "int8_linears='inductor'.",
             tuple(weight.shape),
             int(weight.min()),
             int(weight.max()),

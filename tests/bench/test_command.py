@@ -274,7 +274,8 @@ def test_quick_bench_header_says_which_instructions_the_cpu_has_and_which_kernel
     assert isa["one_row_linears"] in ("inductor", "library")
     fbgemm = "fbgemm" in torch.backends.quantized.supported_engines
     facts = cpu.cpu_facts()
-    assert isa["int8_linears"] == ("library" if facts.vnni else "fbgemm" if fbgemm else "inductor")
+    expected = "library" if facts.amx else "fbgemm" if fbgemm else "library" if facts.vnni else "inductor"
+    assert isa["int8_linears"] == expected
     assert (
         isa["vnni"] == facts.vnni and isa["bf16_native"] == facts.bf16 and isa["int8_bits"] == (8 if facts.vnni else 7)
     )

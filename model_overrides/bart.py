@@ -38,8 +38,8 @@ from transformers.models.bart.modeling_bart import (
 )
 
 from transformers_flexcache.cache import has_cross_attention_kv
-from transformers_flexcache.modeling import FlexModelMixin
-from transformers_flexcache.packing import PackedRows, run_packed
+from transformers_flexcache.compile.packing import PackedRows, run_packed
+from transformers_flexcache.models.modeling import FlexModelMixin
 
 
 class FlexBartAttentionMixin:
@@ -100,7 +100,7 @@ class FlexBartAttentionMixin:
 
     def _flex_packed_self_attention(self, hidden_states, attention_mask, rows: PackedRows, **kwargs):
         """Derived from `BartAttention.forward` (transformers==5.24.0) for an encoder's self-attention on packed
-        tokens (`transformers_flexcache.packing`; the packed encoders of BART and Marian, `_flex_encode_packed`).
+        tokens (`transformers_flexcache.compile.packing`; the packed encoders of BART and Marian, `_flex_encode_packed`).
 
         Differences: the projections run on the call's real tokens `[1, N, d]`; queries, keys and values are
         put back into their rows (`rows.unpack`, zeros at the padding, which `attention_mask` masks) for upstream's
@@ -151,11 +151,11 @@ class FlexBartForConditionalGeneration(FlexModelMixin, BartForConditionalGenerat
     @staticmethod
     def _flex_encode_packed(encoder, input_ids: torch.Tensor, attention_mask: torch.Tensor, index: torch.Tensor):
         """Derived from `BartEncoder.forward` (transformers==5.24.0) for an inference call: its output, whose last
-        hidden state `[B, L, d]` is computed on the real tokens only (`transformers_flexcache.packing`; zeros at the
+        hidden state `[B, L, d]` is computed on the real tokens only (`transformers_flexcache.compile.packing`; zeros at the
         padding positions). Differences: the layers run on the packed tokens `[1, N, d]` after the embeddings,
         positions and embedding norm, their self-attention on the rows (`FlexBartAttentionMixin.
         _flex_packed_self_attention`); dropout, layer drop and recorded outputs, which an inference call of the
-        encoder has none of, are left out (`compiled_encoder.py` packs only such calls)."""
+        encoder has none of, are left out (`compile/encoder.py` packs only such calls)."""
         # input_ids, attention_mask: [B, L]; index: [N] -> [B, L, d_model]
         inputs_embeds = encoder.embed_tokens(input_ids)
         hidden_states = inputs_embeds + encoder.embed_positions(inputs_embeds[:, :, -1]).to(inputs_embeds.device)

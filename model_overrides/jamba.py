@@ -20,7 +20,7 @@ and `JambaModel` stay upstream's.
 from transformers import GenerationMixin
 from transformers.models.jamba.modeling_jamba import JambaForCausalLM
 
-from transformers_flexcache.modeling import FlexModelMixin
+from transformers_flexcache.models.modeling import FlexModelMixin
 
 
 class FlexJambaForCausalLM(FlexModelMixin, JambaForCausalLM, GenerationMixin):

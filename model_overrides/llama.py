@@ -8,7 +8,7 @@ Upstream's Llama (transformers==5.24.0) reaches its cache only through `cache.up
 from transformers import GenerationMixin
 from transformers.models.llama.modeling_llama import LlamaForCausalLM
 
-from transformers_flexcache.modeling import FlexModelMixin
+from transformers_flexcache.models.modeling import FlexModelMixin
 
 
 class FlexLlamaForCausalLM(FlexModelMixin, LlamaForCausalLM, GenerationMixin):

@@ -29,7 +29,7 @@ from transformers.models.m2m_100.modeling_m2m_100 import (
 from transformers.utils import is_torchdynamo_compiling
 
 from model_overrides.bart import FlexBartAttentionMixin
-from transformers_flexcache.modeling import FlexModelMixin
+from transformers_flexcache.models.modeling import FlexModelMixin
 
 
 class FlexM2M100Attention(FlexBartAttentionMixin, M2M100Attention):

@@ -25,7 +25,7 @@ from transformers.models.mbart.modeling_mbart import (
 )
 
 from model_overrides.bart import FlexBartAttentionMixin, FlexLearnedPositionsMixin
-from transformers_flexcache.modeling import FlexModelMixin
+from transformers_flexcache.models.modeling import FlexModelMixin
 
 
 class FlexMBartAttention(FlexBartAttentionMixin, MBartAttention):

@@ -17,7 +17,7 @@ from transformers.models.pegasus import modeling_pegasus
 from transformers.models.pegasus.modeling_pegasus import PegasusAttention, PegasusForConditionalGeneration
 
 from model_overrides.bart import FlexBartAttentionMixin
-from transformers_flexcache.modeling import FlexModelMixin
+from transformers_flexcache.models.modeling import FlexModelMixin
 
 
 class FlexPegasusAttention(FlexBartAttentionMixin, PegasusAttention):

@@ -37,7 +37,7 @@ from transformers.models.pix2struct.modeling_pix2struct import (
 
 from model_overrides.t5 import per_row_relative_bias
 from transformers_flexcache.cache import has_cross_attention_kv
-from transformers_flexcache.modeling import FlexModelMixin
+from transformers_flexcache.models.modeling import FlexModelMixin
 
 
 class FlexPix2StructTextAttention(Pix2StructTextAttention):

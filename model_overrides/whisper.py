@@ -53,10 +53,10 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from transformers_flexcache.cache import FlexibleEncoderDecoderCache, has_cross_attention_kv
-from transformers_flexcache.cache.seats import RequestSeats
-from transformers_flexcache.generation import FlexCacheInnerGenerateMixin
-from transformers_flexcache.modeling import FlexModelMixin
-from transformers_flexcache.plan import current_plan
+from transformers_flexcache.generate.hooks import ForwardingCache
+from transformers_flexcache.generate.mixin import FlexCacheInnerGenerateMixin
+from transformers_flexcache.generate.plan import current_plan
+from transformers_flexcache.models.modeling import FlexModelMixin
 
 
 class FlexWhisperAttention(WhisperAttention):
@@ -295,19 +295,19 @@ class FlexWhisperForConditionalGeneration(
         """Wraps `WhisperGenerationMixin._postprocess_outputs` (transformers==5.24.0).
 
         Differences: a flexible cache in the outputs is not copied row by row to the CPU (upstream splits every output
-        per row, the cache included, to stack them back later), and a serving engine request's cache is dropped (its
-        seats serve other requests once it ends). Each row keeps a reference to the cache instead, and
+        per row, the cache included, to stack them back later), and a cache whose model calls run elsewhere is dropped
+        (`ForwardingCache`: a serving engine request's seats, which serve other requests once it ends). Each row keeps a reference to the cache instead, and
         `_stack_split_outputs` returns the cache itself when its rows are the call's rows in order. If a later call of
         the same generate (a temperature fallback) is about to reuse that storage, the rows are copied first, as
         upstream copies them.
         """
         cache = seek_outputs.get("cache") if isinstance(seek_outputs, ModelOutput) else None
-        if not isinstance(cache, (FlexibleEncoderDecoderCache, RequestSeats)):
+        if not isinstance(cache, (FlexibleEncoderDecoderCache, ForwardingCache)):
             return super()._postprocess_outputs(
                 seek_outputs, decoder_input_ids, return_token_timestamps, generation_config, **kwargs
             )
         without_cache = type(seek_outputs)(**{key: value for key, value in seek_outputs.items() if key != "cache"})
-        if isinstance(cache, RequestSeats):
+        if isinstance(cache, ForwardingCache):
             # flexcache: a serving engine's request holds no rows of its own to keep (its seats serve others next)
             return super()._postprocess_outputs(
                 without_cache, decoder_input_ids, return_token_timestamps, generation_config, **kwargs

@@ -37,7 +37,7 @@ from transformers import CompileConfig, LogitsProcessorList, StoppingCriteriaLis
 from transformers.modeling_outputs import BaseModelOutput
 from transformers.utils import ModelOutput
 
-from transformers_flexcache.padded_sampling import RealRowsSampling
+from transformers_flexcache.generate.padded_sampling import RealRowsSampling
 
 # Each side of a comparison of two float32 computations of the same math lies about one float noise from the exact
 # result; different summation orders at every operation (inductor's fusions, XNNPACK's kernels) add up to a few.

@@ -39,7 +39,7 @@ from model_overrides.pix2struct import FlexPix2StructForConditionalGeneration
 from model_overrides.t5 import FlexT5ForConditionalGeneration
 from model_overrides.whisper import FlexWhisperForConditionalGeneration
 from transformers_flexcache import zoo
-from transformers_flexcache.generic import flex_class_for
+from transformers_flexcache.models.generic import flex_class_for
 
 VOCAB = zoo.TINY_VOCAB
 WHISPER_MAX_SOURCE_POSITIONS = zoo.WHISPER_TINY_MAX_SOURCE_POSITIONS
@@ -83,10 +83,10 @@ class ModelCase:
     # generate kwargs that every call of this case needs (e.g. special token ids)
     generate_kwargs: dict = field(default_factory=dict)
     attn_implementations: tuple[str, ...] = ("eager", "sdpa")
-    # Padding sides that tests/test_decoding.py checks; None: left for decoder-only models, and both sides of the
+    # Padding sides that tests/generate/test_decoding.py checks; None: left for decoder-only models, and both sides of the
     # encoder input for encoder-decoder models, when `make_inputs` gives an attention_mask (none: no padding test).
     padding_sides: tuple[str, ...] | None = None
-    # Input length for tests/test_decoding.py, when the default does not suit the model's own generate.
+    # Input length for tests/generate/test_decoding.py, when the default does not suit the model's own generate.
     decoding_input_len: int | None = None
     # Why this model cannot compile a padded generate stream into one decode graph, with what was measured; the
     # compile tests then expect it to fail (strict xfail) instead of passing. Empty: it must reach one graph.

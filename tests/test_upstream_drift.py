@@ -174,7 +174,7 @@ def test_drift_message_says_which_supported_version_a_changed_source_is():
     before, after = (UPSTREAM[name].fingerprint_at(version) for version in SUPPORTED_TRANSFORMERS_VERSIONS)
     message = upstream.drift_message(name, before, _users_of(name), UPSTREAM[name].recheck, "5.25.0")
     assert f"(fingerprint {after} -> {before}, which is transformers==5.24.0's)" in message
-    assert "FlexCacheGenerationMixin._prefill (transformers_flexcache/generation.py), which wraps it" in message
+    assert "FlexCacheGenerationMixin._prefill (transformers_flexcache/generate/mixin.py), which wraps it" in message
 
 
 def test_an_object_new_in_a_later_version_is_absent_from_the_earlier_one():

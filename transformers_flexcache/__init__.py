@@ -3,34 +3,33 @@
 Importing this package changes nothing in transformers, and imports neither model code nor executorch; call
 `register()` (or `convert(model)`) to opt in.
 
-Package map, in the order modules import each other (details in docs/design.md):
-- `cache/`: the caches (config, capacity, layers, lifecycle, containers, kind, placement); `cache.capacity.decide`
-  is the one capacity decision of a call.
-- generate: `request.py` (how a call asks for the flexible cache), `ownership.py` (the pool of caches a model holds,
-  its capacity question, leases, `release`), `padding.py` (the shape policies), `plan.py` (`CallPlan`: one generate
-  call, one object), `generation.py` (the generate door and upstream's hooks), `compilation.py` (the compiled path:
-  `compile_config_for_cpu()`, `warmup()`), `quantization.py` (`quantize(model, "int8")`, CTranslate2's int8
-  scheme for a compiled step on CPU).
-- models: `modeling.py`, `generic.py` (override classes), `catalogue.py` (which ones exist), `registry.py`,
-  `auto_classes.py`, `saved.py` (registration and saved folders); `model_overrides/` beside this package.
-- `export/`: torch.export and ExecuTorch programs; `bench/`: the benchmark (nothing but the command line imports it).
-- `serving/`: the in-flight engine; `server/`: its OpenAI-compatible HTTP server.
+The package is four wings, imports going one way (docs/design.md opens with the map; `tests/test_layout.py` checks it):
+- `cache/`: the caches (config, capacity, layers, lifecycle, containers, kind, placement, seats);
+  `cache.capacity.decide` is the one capacity decision of a call.
+- `generate/`: the flexible_static generate path (request, plan, mixin, pool, policies, padded calls) and
+  `generate/hooks.py`, the one seam through which a call asks its plug-ins.
+- `compile/`: the CPU compile stack, every private torch name of the package (`compile_config_for_cpu()`,
+  `warmup()`, `quantize(model, "int8")`, the graph passes, the compiled encoder, the CPU's facts), and its answers
+  to generate's hooks; `models/`: override classes and registration (`model_overrides/` beside the package).
+- `serving/` (the in-flight engine, whose request seats answer generate's hooks) and `export/` (torch.export and
+  ExecuTorch programs); `server/` (its OpenAI-compatible HTTP server) and `bench/` (the benchmark: nothing but the
+  command line imports it).
 """
 
 from .cache import CacheConfig, FlexibleCrossAttentionCache, FlexibleEncoderDecoderCache, FlexibleStaticCache
-from .ownership import held_nbytes, release
-from .request import FLEXIBLE_STATIC
+from .generate.pool import held_nbytes, release
+from .generate.request import FLEXIBLE_STATIC
 
 __version__ = "0.2.0"
 
 # Loaded on first use (PEP 562), so that importing the package imports no model code.
 _LAZY = {
-    "register": "registry",
-    "unregister": "registry",
-    "convert": "registry",
-    "compile_config_for_cpu": "compilation",
-    "warmup": "compilation",
-    "quantize": "quantization",
+    "register": "models.registry",
+    "unregister": "models.registry",
+    "convert": "models.registry",
+    "compile_config_for_cpu": "compile.config",
+    "warmup": "compile.warmup",
+    "quantize": "compile.quantization",
 }
 
 __all__ = [

@@ -7,11 +7,11 @@ A folder saved today must load after any later refactor of the package, so it na
 from __future__ import annotations
 
 from . import __version__
-from .auto_classes import FORMAT_VERSION
-from .catalogue import flex_model_classes
-from .generic import flex_class_for, upstream_class_named
+from .models.auto_classes import FORMAT_VERSION
+from .models.catalogue import flex_model_classes
+from .models.generic import flex_class_for, upstream_class_named
 
-# The formats of `modeling_flexcache.py` that this package reads (it writes `auto_classes.FORMAT_VERSION`).
+# The formats of `modeling_flexcache.py` that this package reads (it writes `models.auto_classes.FORMAT_VERSION`).
 READABLE_FORMAT_VERSIONS = (1,)
 
 

@@ -3,7 +3,7 @@
 A score tolerance tuned on one CPU fails on the next (Marian's 2e-5 from an Intel machine on an AMD EPYC, the int8
 2% from AVX2 on a VNNI CPU). So every tolerance in the tests is either zero (bit for bit), or derived from upstream's
 own movement on the same inputs on the running machine (`tests/helpers.py`: `float_noise`, `upstream_movement`;
-`tests/test_quantization.py`: `int8_atol`), or a stated multiple of such a movement. This script finds what is none
+`tests/compile/test_quantization.py`: `int8_atol`), or a stated multiple of such a movement. This script finds what is none
 of those, in the test sources:
 
 - a non-zero number literal given as `atol=`, `rtol=`, `tolerance=` or `limit=`, or assigned to a name that ends in

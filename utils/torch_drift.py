@@ -56,17 +56,21 @@ TORCH_NAMES: dict[str, TorchName] = {
     "torch._dynamo.config.accumulated_recompile_limit": TorchName(
         "config", "the total of those graphs, raised with recompile_limit (serve, bench)"
     ),
-    "torch._dynamo.config.patch": TorchName("object", "raising the recompile limits for the bench's run"),
+    "torch._dynamo.config.patch": TorchName(
+        "object", "compile/runtime.py: the bench raises the recompile limits for its run"
+    ),
     "torch._dynamo.exc.FailOnRecompileLimitHit": TorchName("object", "warmup() turns it into a ValueError"),
     "torch._dynamo.mark_static_address": TorchName(
-        "object", "cache tensors keep static addresses under CUDA graphs (cache/layers.py)", ("t", "guard")
+        "object",
+        "cache tensors keep static addresses under CUDA graphs (compile/hooks.py, mark_static_addresses)",
+        ("t", "guard"),
     ),
     "torch._dynamo.decorators.mark_unbacked": TorchName(
         "object", "the compiled encoder's rows, one graph for one row and more", ("t", "index")
     ),
-    "torch._dynamo.reset": TorchName("object", "the bench drops one model's graphs before the next"),
     "torch._dynamo.eval_frame._stance": TorchName(
-        "object", "step_guards='first' skips guards only under the default stance (generation.GuardsOfFirstStep)"
+        "object",
+        "step_guards='first' skips guards only under the default stance (compile/hooks.py, GuardsOfFirstStep)",
     ),
     "torch._dynamo.utils.counters": TorchName("object", "the bench counts graphs compiled"),
     "torch._dynamo.utils.compilation_time_metrics": TorchName("object", "the bench's compile seconds"),

@@ -23,9 +23,9 @@ Design decisions:
   `upstream/` proposes patches against.
 - The source read is the upstream model's own, behind the wrappers of `kernels` (a hard dependency of transformers
   from 5.25, which wraps the classes and functions transformers decorates: `JambaMambaMixer.__init__` is a function
-  of `kernels` there), deliberately: `source_check.original_code` finds it, as the generic route's source check does.
+  of `kernels` there), deliberately: `models.source_check.original_code` finds it, as the generic route's source check does.
   A change of `kernels`' wrapper is not a change of upstream's model code; what it changes for us is tested where it
-  matters (`tests/test_source_check.py`, `tests/export/test_programs.py`).
+  matters (`tests/models/test_source_check.py`, `tests/export/test_programs.py`).
 - Our side of each derivation is found, never listed: a docstring in the package sources in which one of the phrases
   of `REFERENCE_VERBS` (Derived from, Overrides, Wraps, Mirrors) is followed by a dotted name in backticks refers to
   that upstream object (`find_references` reads the source files of `PACKAGES`, so a moved, split or new file needs
@@ -49,7 +49,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from transformers_flexcache.source_check import original_code
+from transformers_flexcache.models.source_check import original_code
 
 # The transformers releases whose upstream code our code was checked against, oldest first (setup.cfg's window).
 SUPPORTED_TRANSFORMERS_VERSIONS = ("5.24.0", "5.25.0")
@@ -358,7 +358,7 @@ UPSTREAM: dict[str, Upstream] = {
             ("pegasus.modeling_pegasus", "PegasusAttention"),
         )
     },
-    # The packed encoders (`transformers_flexcache/packing.py`): copies of the encoders' forward on packed tokens.
+    # The packed encoders (`transformers_flexcache/compile/packing.py`): copies of the encoders' forward on packed tokens.
     f"{_BART}.BartEncoder.forward": Upstream(
         "af7e8ef423479a4e",
         "FlexBartForConditionalGeneration._flex_encode_packed repeats its embeddings, positions, embedding norm, mask "

@@ -12,13 +12,13 @@ import torch
 from transformers import DynamicCache
 
 from tests.model_cases import LLAMA
-from transformers_flexcache import cpu
 from transformers_flexcache.__main__ import main
 from transformers_flexcache.bench.measure import FIGURES, CacheStorageTracker
 from transformers_flexcache.bench.models import DEFAULT_MODELS
 from transformers_flexcache.bench.report import PEERS, format_model
 from transformers_flexcache.bench.strategies import BASELINE, DYNAMIC_INT8, STRATEGIES, strategies_for
 from transformers_flexcache.cache import FlexibleStaticCache
+from transformers_flexcache.compile import cpu
 
 # Figures that only torch strategies report (CTranslate2 exposes no cache allocations or compiled graphs).
 TORCH_ONLY = {
@@ -295,7 +295,7 @@ def test_named_compiled_int8_rows_run_in_a_quick_run_against_the_eager_int8_mode
     assert set(strategies) == {BASELINE, DYNAMIC_INT8, "flexible_static-padded-compiled-int8", *PEERS}
     compiled = strategies["flexible_static-padded-compiled-int8"]
     assert compiled["reference"] == DYNAMIC_INT8 and not compiled["exact"]  # agreement reported, not required
-    # which tokens a compiled int8 call gives is tests/test_quantization.py's to check (against eager int8, within a
+    # which tokens a compiled int8 call gives is tests/compile/test_quantization.py's to check (against eager int8, within a
     # tolerance derived on this machine): here, that the agreement is reported
     assert 0 < compiled["token_agreement"] <= 1
     assert compiled["max_score_diff"] is not None and compiled["max_score_diff_vs_fp32"] is not None

@@ -73,8 +73,8 @@ def test_bench_buckets_take_rows_in_quarters_the_encoder_length_halved_past_64_a
 
 def test_bench_buckets_of_a_decoder_only_model_make_six_decode_shapes_whatever_the_prompt_buckets():
     from transformers_flexcache.cache import CacheConfig
-    from transformers_flexcache.padding import POLICIES
-    from transformers_flexcache.registry import convert
+    from transformers_flexcache.generate.policies import POLICIES
+    from transformers_flexcache.models.registry import convert
 
     upstream, _ = LLAMA.build("sdpa")
     model = convert(upstream)
@@ -96,8 +96,8 @@ def test_bench_buckets_of_a_decoder_only_model_make_six_decode_shapes_whatever_t
 
 def test_bench_buckets_of_an_encoder_decoder_model_make_five_decode_shapes_at_the_default_stream():
     from transformers_flexcache.cache import CacheConfig
-    from transformers_flexcache.padding import POLICIES
-    from transformers_flexcache.registry import convert
+    from transformers_flexcache.generate.policies import POLICIES
+    from transformers_flexcache.models.registry import convert
 
     upstream, _ = T5.build("sdpa")
     model = convert(upstream)

@@ -51,7 +51,7 @@ from transformers_flexcache.export import (
     greedy_generate,
 )
 from transformers_flexcache.export.rewrites import KERNEL_BMM
-from transformers_flexcache.source_check import original_code
+from transformers_flexcache.models.source_check import original_code
 
 # Whisper's log-mel features always give max_source_positions encoder positions: only the batch varies.
 WHISPER_FEATURE_SHAPES = [(4, WHISPER_MAX_SOURCE_POSITIONS), (1, WHISPER_MAX_SOURCE_POSITIONS)]

@@ -1,6 +1,6 @@
 """BART override: what is specific to it, each output against upstream's DynamicCache on the same seeded model.
 
-The stream of calls, capacities and overflow errors are covered for BART by `tests/test_generation.py`.
+The stream of calls, capacities and overflow errors are covered for BART by `tests/generate/test_generation.py`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Upstream's text config defaults `use_cache=False`, so every upstream reference here is run with `use_cache=True`
 (a DynamicCache). The stream of calls with varying patch counts, capacities and overflow errors are covered for
-Pix2Struct by `tests/test_generation.py`.
+Pix2Struct by `tests/generate/test_generation.py`.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from model_overrides.whisper import FlexWhisperForConditionalGeneration
 from tests.helpers import assert_within_float_noise, in_double
 from tests.model_cases import JAMBA, MODEL_CASES, PIX2STRUCT, T5, WHISPER
-from transformers_flexcache.generation import FlexCacheInnerGenerateMixin
+from transformers_flexcache.generate.mixin import FlexCacheInnerGenerateMixin
 
 CASE_IDS = [case.name for case in MODEL_CASES]
 

@@ -1,6 +1,6 @@
 """FlexWhisperForConditionalGeneration against upstream Whisper generating with its DynamicCache.
 
-`tests/test_generation.py` runs the model-agnostic streams on the `whisper` case; these tests cover what is
+`tests/generate/test_generation.py` runs the model-agnostic streams on the `whisper` case; these tests cover what is
 Whisper's own: its generate (beam search, sampling through `temperature`, the cache it rebuilds and returns),
 encoder outputs shorter than the cross-attention capacity, and the cross-attention mask that the override adds.
 """

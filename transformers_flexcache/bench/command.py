@@ -24,7 +24,7 @@ import time
 import torch
 from transformers.utils import logging as hf_logging
 
-from ..cpu import cpu_facts
+from ..compile.cpu import cpu_facts
 from .measure import read_bandwidth
 from .models import (
     BENCH_MODELS,
@@ -126,9 +126,9 @@ INDUCTOR_CACHE_NEW = "new"
 def inductor_cache_state(*, fresh: bool) -> dict:
     """Where inductor's on-disk cache is (TORCHINDUCTOR_CACHE_DIR as set for the run) and how many files it held at
     the start: compile times with a filled cache are a restart's, with an empty one a first start's."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    from ..compile.runtime import inductor_cache_dir
 
-    folder = cache_dir()
+    folder = inductor_cache_dir()
     files = sum(len(names) for _, _, names in os.walk(folder)) if os.path.isdir(folder) else 0
     return {"dir": folder, "new": fresh, "files_at_start": files}
 
@@ -209,6 +209,7 @@ def _quiet_transformers():
 
 def run(args, parser: argparse.ArgumentParser) -> int:
     """Run the `bench` subcommand; returns the exit status (0: all outputs equal to DynamicCache's)."""
+    from ..compile.runtime import recompile_limits
     from .model_run import run_model  # the model stack, imported when the command runs (not for --help)
     from .report import format_footer, format_header, format_model, machine_info, to_json, write_plot
 
@@ -240,7 +241,7 @@ def run(args, parser: argparse.ArgumentParser) -> int:
         # several models the same code): more than dynamo's default of 8 per function would run the rest eagerly.
         with (
             _quiet_transformers(),
-            torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=512),
+            recompile_limits(64, 512),
             _executorch_threads(selected, args.threads),
         ):
             for model in models:

@@ -285,20 +285,6 @@ class PeakRss:
         return None if self._process is None else self._peak - self._start
 
 
-def compiled_graph_count() -> int:
-    """Graphs that dynamo has compiled in this process so far."""
-    from torch._dynamo.utils import counters
-
-    return counters["stats"]["unique_graphs"]
-
-
-def compile_seconds() -> float:
-    """Seconds that dynamo has spent compiling in this process so far (tracing and backend, all frames)."""
-    from torch._dynamo.utils import compilation_time_metrics
-
-    return sum(compilation_time_metrics.get("_compile.compile_inner", ()))
-
-
 def read_bandwidth(*, nbytes: int = 256 * 2**20, repeats: int = 5, device: str = "cpu") -> float:
     """Bytes per second that this process reads from memory: `nbytes` summed, best of `repeats` (after one untimed
     pass), with torch's current threads. The buffer is larger than any last-level cache, so it comes from memory."""

@@ -17,10 +17,10 @@ Design decisions:
   seeded continuation, against the fp32 model's (`logits_error`), before the models are cast or quantized.
 - Each decode step is compared with the bandwidth floor of its own weights: fp32 (or the run's dtype), and for int8
   rows the bytes of an int8 step (int8 data and scales of the linears, the rest in float).
-- The garbage collector's heap is frozen for the timed stream, after the warm-ups (`gc_heap.frozen_heap`), as a
+- The garbage collector's heap is frozen for the timed stream, after the warm-ups (`compile.gc_heap.frozen_heap`), as a
   server freezes it after its start (`serve` does): else a full collection over the compiled graphs (0.1-1 s) lands
   on whichever call runs then. The collections seen during the stream are reported (`gc`), those that ran while
-  torch compiled apart (`gc_heap.Collections`: their time leaves the timings with the compile's; upstream's
+  torch compiled apart (`compile.gc_heap.Collections`: their time leaves the timings with the compile's; upstream's
   static-compiled compiles during the stream: in T5's default stream on an AMD EPYC Zen 3, 1206 collections (6 full)
   ran in compiles, 22 outside them, none full, the longest 1.2 ms), `--no-gc-freeze` runs it unfrozen.
 """
@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..gc_heap import Collections, frozen_heap
-from ..quantization import quantize
+from ..compile.gc_heap import Collections, frozen_heap
+from ..compile.quantization import quantize
 from .executorch import OURS as EXECUTORCH
 from .measure import CallRecord, DecodeStepBytes, ratios, same_prefix_score_diff, summarize
 from .models import BenchModel, build_models
@@ -74,7 +74,9 @@ class ModelResult:
     int8_decode_step_bytes: dict = field(default_factory=dict)  # the same for the int8 model
     int8_floor_step_ms: float | None = None
     logits_error: dict[str, dict] = field(default_factory=dict)  # "int8"/"bfloat16" -> error against fp32 logits
-    gc: dict = field(default_factory=dict)  # the collector during the timed stream (`gc_heap.Collections.summary`)
+    gc: dict = field(
+        default_factory=dict
+    )  # the collector during the timed stream (`compile.gc_heap.Collections.summary`)
 
     def reference_of(self, name: str) -> str:
         return self.references.get(name, BASELINE)
@@ -296,7 +298,7 @@ def run_model(model: BenchModel, args, strategies: list[Strategy], log) -> Model
         result.floor_step_ms = 1e3 * sum(result.decode_step_bytes.values()) / args.bandwidth
         if result.int8_decode_step_bytes:
             result.int8_floor_step_ms = 1e3 * sum(result.int8_decode_step_bytes.values()) / args.bandwidth
-    torch._dynamo.reset()  # compiled graphs and frozen weights of this model are not needed any more
+    torch.compiler.reset()  # compiled graphs and frozen weights of this model are not needed any more
     return result
 
 

@@ -155,7 +155,7 @@ def build_models(
     The override is a deep copy of the upstream model converted in place, so both hold the same weights without
     initializing twice.
     """
-    from ..registry import convert
+    from ..models.registry import convert
 
     if checkpoint is not None:
         upstream = model.upstream_class.from_pretrained(checkpoint, dtype=torch.float32)

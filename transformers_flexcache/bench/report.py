@@ -17,7 +17,7 @@ import textwrap
 import torch
 import transformers
 
-from ..cpu import cpu_facts
+from ..compile.cpu import cpu_facts
 from .measure import FIGURES
 
 MB = 1e6
@@ -53,7 +53,7 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_b
 def isa_info() -> dict:
     """The CPU's vendor and instruction sets that matter here (`cpu.cpu_facts()`), the kernels the compiled linears
     use (`compile_config_for_cpu`'s `"auto"`) and CTranslate2's compute types on this CPU."""
-    from ..linear_kernels import resolve_int8_linears, resolve_linear_kernels, resolve_one_row_linears
+    from ..compile.linear_kernels import resolve_int8_linears, resolve_linear_kernels, resolve_one_row_linears
 
     facts = cpu_facts()
     try:
@@ -86,7 +86,7 @@ def _int8_bits() -> int | None:
         import torchao  # noqa: F401  (quantize needs it)
     except ImportError:
         return None
-    from ..quantization import int8_bits
+    from ..compile.quantization import int8_bits
 
     return int8_bits()
 

@@ -24,7 +24,7 @@ Design decisions:
   allocation counter on the caches each forward sees; not available for CTranslate2 and compiled forwards, whose
   caches are checked by address instead), and how many requests' tokens equal the reference.
 - The garbage collector's heap is frozen once a model's strategies are built and warmed up, for its loads
-  (`gc_heap.frozen_heap`), as `serve` freezes it before it opens its port; the collections seen during them are
+  (`compile.gc_heap.frozen_heap`), as `serve` freezes it before it opens its port; the collections seen during them are
   reported (`gc`).
 - Goals, read off the table: at the offered load where static batching saturates (its completed rate falls below
   90% of the offered one), the compiled engine's request throughput over static batching's (goal: at least 1.5x) and
@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..gc_heap import Collections, frozen_heap
+from ..compile.gc_heap import Collections, frozen_heap
 from .models import BENCH_MODELS, _special_ids, build_models
 from .report import gc_line, machine_info
 from .serve_strategies import STRATEGIES, LoadRequest, Strategy, build_strategies
@@ -268,7 +268,9 @@ def run(args, parser=None) -> int:
     try:
         # The compiled engine's default buckets make 12 decode graphs (`serving/buckets.py`); dynamo keeps 8 of one
         # function by default. Raised for this command only, as `bench` does.
-        with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=512):
+        from ..compile.runtime import recompile_limits
+
+        with recompile_limits(64, 512):
             return _run(args)
     finally:
         torch.set_num_threads(threads_before)  # as `bench` does: a caller in the same process keeps its threads
@@ -299,7 +301,7 @@ def _run(args) -> int:
         max_encoder_len = max(request.input_ids.shape[1] for request in stream)
         # Dynamo counts graphs per function, across models: every model's decode step is `FlexModelMixin.__call__`,
         # so the previous model's graphs (its strategies are closed) would count against this one's limit.
-        torch._dynamo.reset()
+        torch.compiler.reset()
         strategies = build_strategies(names, upstream, flex, args=args, max_encoder_len=max_encoder_len)
         base_rate = _service_rate(strategies[0], stream)
         loads = (
@@ -354,7 +356,7 @@ def _run(args) -> int:
 
 def _isa() -> str:
     """The CPU and the vector extensions it has that matter to the figures (AVX2, AVX-512, VNNI, bf16, AMX)."""
-    from ..cpu import cpu_facts
+    from ..compile.cpu import cpu_facts
 
     return cpu_facts().describe()
 

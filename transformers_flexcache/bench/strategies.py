@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..request import FLEXIBLE_STATIC
+from ..generate.request import FLEXIBLE_STATIC
 from .executorch import OURS as EXECUTORCH
 from .executorch import TRANSFORMERS as TRANSFORMERS_EXPORTER
 
@@ -94,7 +94,7 @@ class Strategy:
             return None
         from transformers import CompileConfig
 
-        from ..compilation import compile_config_for_cpu  # imported here: the command line's help compiles nothing
+        from ..compile.config import compile_config_for_cpu  # imported here: the command line's help compiles nothing
 
         if device.type == "cpu":
             config = compile_config_for_cpu(freezing=self.freezing)

@@ -15,18 +15,10 @@ import time
 import torch
 from transformers import LogitsProcessorList
 
-from ..compilation import compile_settings, warmup
-from .measure import (
-    CacheStorageTracker,
-    CallRecord,
-    ForwardTimer,
-    PeakRss,
-    StepTimer,
-    compile_seconds,
-    compiled_graph_count,
-    returned_cache,
-    top_margins,
-)
+from ..compile.config import compile_settings
+from ..compile.runtime import compile_seconds, compiled_graph_count
+from ..compile.warmup import warmup
+from .measure import CacheStorageTracker, CallRecord, ForwardTimer, PeakRss, StepTimer, returned_cache, top_margins
 from .strategies import Strategy
 from .stream import NoEndOfSequence
 

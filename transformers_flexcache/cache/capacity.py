@@ -5,7 +5,8 @@ compares it with the capacities held (by the model's caches of its kind, or by t
 call's `CacheConfig`, and returns a `Reservation`: the capacities the call runs at, the limits of its writes, and the
 shapes a fixed-shape policy pads it to. It raises before anything is padded or allocated when the call is over a limit
 with `on_overflow="error"`. The pool asks it (`CachePool.decide`), a cache applies its answer (`reserve`); nothing
-else plans a capacity.
+else plans a capacity. A need against fixed limits (the serving engine's capacities, a request's seats, a cache's
+own) is compared by `exceeding`, the one such comparison.
 
 Rules (grow-only): a capacity is at least what is held, what the config sets and what the call needs. A call exceeds
 a capacity when it needs more than the configured value (`on_overflow="error"`: the configured value is a limit even
@@ -83,6 +84,17 @@ class Reservation:
     def covers(self, need: Mapping[str, int]) -> bool:
         """Whether a call needing `need` fits what this reservation makes storage hold."""
         return all(value <= self.required.get(name, 0) for name, value in need.items())
+
+
+def exceeding(need: Mapping[str, int], limits: Mapping[str, int | None]) -> list[Overflow]:
+    """The capacities of `need` (`max_batch_size`, `max_cache_len`, ...) over their limit in `limits`, in the order of
+    `need`: the one comparison of a need with fixed limits (a serving engine's seats and capacities, a request's),
+    whose `overflow_message` names each value, its limit and the fix. A limit that is None or missing is no limit."""
+    return [
+        Overflow(name, value, limits[name])
+        for name, value in need.items()
+        if limits.get(name) is not None and value > limits[name]
+    ]
 
 
 def plan_capacities(

@@ -239,9 +239,6 @@ class FlexibleCrossAttentionCache(FlexibleLayerCache):
             on_overflow=on_overflow,
             shape_policy=shape_policy,
         )
-        if ATTENTION_LAYER_CLASSES[self.shape_policy].is_compileable:  # the fixed-shape policies
-            for layer in self.layers:
-                layer.mark_static_address()
 
     def _layer_class(self, spec: LayerSpec) -> type:
         return FlexibleStaticLayer

@@ -17,8 +17,8 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..log import get_logger
-from .capacity import Reservation
-from .config import ON_OVERFLOW_CHOICES, SHAPE_POLICIES, Overflow, check_choice, check_positive_int, overflow_message
+from .capacity import Reservation, exceeding
+from .config import ON_OVERFLOW_CHOICES, SHAPE_POLICIES, check_choice, check_positive_int, overflow_message
 from .layers import FlexibleStaticLayer, LayerSpec
 from .lifecycle import FlexibleStorage
 from .linear_attention import FlexibleLinearAttentionLayer, length_layer_idx
@@ -152,7 +152,7 @@ class FlexibleLayerCache(FlexibleStorage, Cache):
         held = self._own_capacities()
         limits = {**held, **self._call_limits}
         need = {"max_batch_size": batch_size, self.LENGTH_CAPACITY: length}
-        exceeded = [Overflow(name, value, limits[name]) for name, value in need.items() if value > limits[name]]
+        exceeded = exceeding(need, limits)
         if not exceeded:
             return
         message = overflow_message(exceeded)

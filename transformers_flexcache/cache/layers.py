@@ -26,20 +26,6 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 
-def mark_static(tensor: torch.Tensor) -> None:
-    """`torch._dynamo.mark_static_address(tensor)`, except on the CPU.
-
-    A static address is for CUDA graphs, which the CPU does not have. And under a frozen compile
-    (`compile_config_for_cpu()`, `freezing=True`) dynamo makes a marked tensor an attribute of the graph, bound to
-    that storage, without a guard on its identity (torch==2.13.0, `VariableBuilder.wrap_tensor`): another cache of
-    the same shapes (a second seat of the pool, a model copy, the cache allocated after `release()`) would then run
-    on the first one's storage, or on freed storage (a segmentation fault). Unmarked, the storage is an input of the
-    graph like any other, and every cache of the same shapes shares the graph correctly.
-    """
-    if tensor.device.type != "cpu":
-        torch._dynamo.mark_static_address(tensor)
-
-
 @dataclass(frozen=True)
 class LayerSpec:
     """What one cache layer holds, and where: everything needed to allocate it, and to tell its size before.
@@ -111,25 +97,14 @@ class FlexibleStaticLayer(CacheLayerMixin):
         self.batch_size = 0  # live batch: rows written by the current call
         self.seq_len = 0  # live length: positions written by the current call
         self.is_initialized = True
-        self.static_address = False  # set by `mark_static_address`; kept through `grow`
 
     def renewed(self) -> FlexibleStaticLayer:
         """A new layer object over the same storage, with counters of its own (set back by `reset`)."""
         return copy.copy(self)
 
-    def mark_static_address(self) -> None:
-        """Tell `torch.compile` (and CUDA graphs) that the storage keeps its address across calls (see
-        `mark_static`).
-
-        Without it, a compiled step with `mode="reduce-overhead"` copies mutated inputs into its own buffers or skips
-        CUDA graphs. Not allowed while dynamo traces, as for upstream's `StaticLayer`; a no-op then.
-        """
-        self.static_address = True
-        if not torch.compiler.is_compiling():
-            for tensor in self._static_tensors():
-                mark_static(tensor)
-
-    def _static_tensors(self) -> list[torch.Tensor]:
+    def static_tensors(self) -> list[torch.Tensor]:
+        """The tensors a compiled step mutates in place, whose address must stay fixed for CUDA graphs
+        (`compile.hooks.mark_static_addresses` marks them when a fixed-shape cache is leased on an accelerator)."""
         return [self._key_storage, self._value_storage]
 
     def storages(self) -> list[torch.Tensor]:
@@ -224,8 +199,6 @@ class FlexibleStaticLayer(CacheLayerMixin):
         new_values[: self.batch_size, :, : self.seq_len].copy_(live_values)
         self._key_storage, self._value_storage = new_keys, new_values
         self.max_batch_size, self.max_cache_len = max_batch_size, max_cache_len
-        if self.static_address:
-            self.mark_static_address()
 
 
 class FlexiblePaddedLayer(FlexibleStaticLayer):
@@ -247,9 +220,8 @@ class FlexiblePaddedLayer(FlexibleStaticLayer):
         self.cumulative_length = torch.zeros((), dtype=torch.long, device=self.device)
         # Positions a `crop` rolled back since the last `reset`: they may hold values past the live length.
         self._cropped_from = 0
-        self.mark_static_address()
 
-    def _static_tensors(self) -> list[torch.Tensor]:
+    def static_tensors(self) -> list[torch.Tensor]:
         return [self._key_storage, self._value_storage, self.cumulative_length]
 
     @property
@@ -328,7 +300,6 @@ class FlexiblePaddedLayer(FlexibleStaticLayer):
         self._key_storage[: old_keys.shape[0], :, : old_keys.shape[2]].copy_(old_keys)
         self._value_storage[: old_values.shape[0], :, : old_values.shape[2]].copy_(old_values)
         self.max_batch_size, self.max_cache_len = max_batch_size, max_cache_len
-        self.mark_static_address()
 
 
 class FlexibleBucketedLayer(FlexiblePaddedLayer):

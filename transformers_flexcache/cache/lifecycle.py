@@ -38,7 +38,7 @@ class FlexibleStorage:
     """
 
     _stale: str | None = None  # why this object may no longer be used (see `renewed`), or None
-    _owner = None  # the pool that holds this cache's storage (see `ownership.py`), or None
+    _owner = None  # the pool that holds this cache's storage (see `generate/pool.py`), or None
 
     def _parts(self) -> tuple[FlexibleStorage, ...]:
         raise NotImplementedError
@@ -66,6 +66,17 @@ class FlexibleStorage:
             key = str(tensor.device)
             per_device[key] = per_device.get(key, 0) + tensor.untyped_storage().nbytes()
         return per_device
+
+    def static_tensors(self) -> list[torch.Tensor]:
+        """The storage tensors a compiled step mutates in place, whose addresses must stay fixed for CUDA graphs:
+        those of the fixed-shape layers (`compile.hooks.mark_static_addresses` marks them on an accelerator)."""
+        return [
+            tensor
+            for part in self._parts()
+            for layer in part.layers
+            if getattr(layer, "is_compileable", False)
+            for tensor in layer.static_tensors()
+        ]
 
     def data_ptrs(self) -> list[int]:
         """Data pointers of every storage tensor: equal across calls exactly when no reallocation happened."""

@@ -36,7 +36,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 from transformers.configuration_utils import PreTrainedConfig
 
-from .layers import LayerSpec, mark_static
+from .layers import LayerSpec
 
 # Config attributes that size a linear-attention layer's states, named as Jamba names them.
 LINEAR_ATTENTION_CONFIG_NAMES = ("hidden_size", "mamba_expand", "mamba_d_conv", "mamba_d_state")
@@ -259,19 +259,10 @@ class FlexiblePaddedLinearAttentionLayer(FlexibleLinearAttentionLayer):
 
     is_compileable = True
 
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.mark_static_address()
-
-    def mark_static_address(self) -> None:
-        """Mark the conv and recurrent storage as static addresses (a no-op while dynamo traces)."""
-        if not torch.compiler.is_compiling():
-            mark_static(self._conv_storage)
-            mark_static(self._recurrent_storage)
-
-    def grow(self, *, max_batch_size: int, max_cache_len: int | None = None) -> None:
-        super().grow(max_batch_size=max_batch_size, max_cache_len=max_cache_len)
-        self.mark_static_address()
+    def static_tensors(self) -> list[torch.Tensor]:
+        """The conv and recurrent storage, which a compiled step writes in place (see `FlexibleStaticLayer.
+        static_tensors`)."""
+        return [self._conv_storage, self._recurrent_storage]
 
 
 # The linear-attention layer class of each `shape_policy`.

@@ -488,39 +488,42 @@ class FlexibleSeatEncoderDecoderCache(EncoderDecoderCache):
         )
         return own + cross
 
+    # --- what both halves hold and do: forwarded over `_parts()`, as `FlexibleEncoderDecoderCache` does -----------
+    def _parts(self) -> tuple[FlexibleSeatCache, FlexibleSeatCache]:
+        return (self.self_attention_cache, self.cross_attention_cache)
+
     def storages(self) -> list[torch.Tensor]:
-        return self.self_attention_cache.storages() + self.cross_attention_cache.storages()
+        return [tensor for part in self._parts() for tensor in part.storages()]
 
     @property
     def nbytes(self) -> int:
-        return self.self_attention_cache.nbytes + self.cross_attention_cache.nbytes
+        return sum(part.nbytes for part in self._parts())
 
     @property
     def num_allocations(self) -> int:
-        return self.self_attention_cache.num_allocations + self.cross_attention_cache.num_allocations
+        return sum(part.num_allocations for part in self._parts())
 
     def data_ptrs(self) -> list[int]:
-        return self.self_attention_cache.data_ptrs() + self.cross_attention_cache.data_ptrs()
+        return [pointer for part in self._parts() for pointer in part.data_ptrs()]
 
     def release(self) -> int:
-        return self.self_attention_cache.release() + self.cross_attention_cache.release()
+        return sum(part.release() for part in self._parts())
 
     @property
     def device(self) -> torch.device:
         return self.self_attention_cache.device
 
-    # --- steps ------------------------------------------------------------------------------------------------
     def begin_admission(self, rows: torch.Tensor) -> None:
-        self.self_attention_cache.begin_admission(rows)
-        self.cross_attention_cache.begin_admission(rows)
+        for part in self._parts():
+            part.begin_admission(rows)
+
+    def end_step(self) -> None:
+        for part in self._parts():
+            part.end_step()
 
     def begin_decode(self, *, span: int, window: int, cross_window: int) -> None:
         self.self_attention_cache.begin_decode(span=span, window=window)
         self.cross_attention_cache.begin_decode(span=span, window=cross_window)
-
-    def end_step(self) -> None:
-        self.self_attention_cache.end_step()
-        self.cross_attention_cache.end_step()
 
     def admit(
         self, rows: torch.Tensor, valid: torch.Tensor, lengths: torch.Tensor, encoder_valid: torch.Tensor
@@ -537,8 +540,8 @@ class FlexibleSeatEncoderDecoderCache(EncoderDecoderCache):
         self.self_attention_cache.advance(rows)
 
     def free(self, rows: torch.Tensor) -> None:
-        self.self_attention_cache.free(rows)
-        self.cross_attention_cache.free(rows)
+        for part in self._parts():
+            part.free(rows)
 
     def copy_rows(self, destination: torch.Tensor, source: torch.Tensor, length: int) -> None:
         # Beams of one request share its encoder output: their cross-attention rows are already equal.
@@ -599,83 +602,6 @@ class FlexibleSeatEncoderDecoderCache(EncoderDecoderCache):
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("a seat cache cannot be cropped")
-
-
-class RequestSeats(Cache):
-    """The cache that one request's `generate` call sees in the serving engine: its seats of the engine's seat cache.
-
-    It holds no tensors. The model call given it (`FlexModelMixin.__call__`) goes to `run_forward`, which the engine
-    answers from a batched step; `get_seq_length` counts what this request has written, and `reorder_cache` reorders
-    beams within the request's own seats (`reorder_rows`).
-
-    Args:
-        run_forward (`Callable[[RequestSeats, dict], ModelOutput]`): runs the model call's kwargs for this request.
-        reorder_rows (`Callable[[RequestSeats, torch.Tensor], None]`): beam reordering within its seats.
-        rows (`torch.Tensor`): `[R]` the seats of the request's rows, in order.
-        encoder_len (`int`, *optional*): its encoder length (encoder-decoder models).
-        layer_flags (`dict`): `is_sliding` and `is_linear` of the engine's layers, as upstream's `Cache` reports them.
-        owner (*optional*): who runs it (the engine's `RequestWorker`).
-    """
-
-    def __init__(
-        self, *, run_forward, reorder_rows, rows: torch.Tensor, encoder_len: int | None, layer_flags: dict, owner=None
-    ):
-        super().__init__(layers=[])
-        self.owner = owner
-        self._run_forward, self._reorder_rows = run_forward, reorder_rows
-        self.rows = rows  # [R] seats, in the order of the request's rows
-        self.last_seat = int(rows.max())  # the span a decode step needs for it, read at every step
-        self.encoder_len = encoder_len
-        self.length = 0  # decoder columns written by this generate call
-        self.admitted = False  # its prefill ran (or it joined the decode step): its model calls are decode steps
-        self._flags = layer_flags
-        self._closed = False
-
-    @property
-    def is_compileable(self) -> bool:
-        return False  # the request's own generate never compiles: the engine's step does
-
-    @property
-    def is_sliding(self) -> list[bool]:
-        return self._flags["is_sliding"]
-
-    @property
-    def is_linear(self) -> list[bool]:
-        return self._flags["is_linear"]
-
-    @property
-    def is_dummy(self) -> list[bool]:
-        return [False] * len(self._flags["is_linear"])
-
-    def __len__(self) -> int:
-        return len(self._flags["is_linear"])
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        self._check_open()
-        return self.length
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: row `i` of the request takes what its row `beam_idx[i]` holds (within its own seats)."""
-        self._check_open()
-        self._reorder_rows(self, beam_idx)
-
-    def forward(self, model_inputs: dict):
-        """Run `model(**model_inputs)` for this request in the engine's next batched step; returns its outputs."""
-        self._check_open()
-        return self._run_forward(self, model_inputs)
-
-    def close(self) -> None:
-        self._closed = True
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ValueError(
-                "this cache belonged to a request of a serving engine that has finished: its seats serve other "
-                "requests now, so it cannot be read or continued"
-            )
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("an engine request's cache cannot be cropped (assisted decoding is not served)")
 
 
 def is_seat_cache(cache) -> bool:

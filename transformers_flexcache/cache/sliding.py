@@ -174,8 +174,6 @@ class FlexibleSlidingWindowLayer(_SlidingWindowStorage, FlexibleStaticLayer):
         num_slots = window_len(self.sliding_window, max_cache_len)
         if (max_batch_size, num_slots) != (self.max_batch_size, self.window_len):
             self._reallocate(max_batch_size, num_slots, self.batch_size, self.num_stored)
-            if self.static_address:
-                self.mark_static_address()
         self.max_batch_size, self.max_cache_len = max_batch_size, max_cache_len
 
 
@@ -281,7 +279,6 @@ class FlexiblePaddedSlidingWindowLayer(_SlidingWindowStorage, FlexiblePaddedLaye
         if (max_batch_size, num_slots) != (self.max_batch_size, self.window_len):
             old_batch, old_slots = self.max_batch_size, self.window_len
             self._reallocate(max_batch_size, num_slots, old_batch, old_slots)
-            self.mark_static_address()
         self.max_batch_size, self.max_cache_len = max_batch_size, max_cache_len
 
 

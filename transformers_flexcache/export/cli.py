@@ -68,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _check_arguments(args) -> dict:
     """Check everything that can be checked without loading weights; returns the config and resolved options."""
-    from ..registry import GENERIC_MODEL_TYPES, SUPPORTED_MODEL_TYPES
+    from ..models.registry import GENERIC_MODEL_TYPES, SUPPORTED_MODEL_TYPES
     from .lowering import check_backend
     from .modules import ENCODER_INPUTS, check_capacities
     from .quantize import check_quantize
@@ -154,7 +154,7 @@ def load_model(model_dir: str, config: dict, dtype: str):
     import torch
     import transformers
 
-    from ..registry import convert
+    from ..models.registry import convert
 
     names = config.get("architectures") or []
     upstream_class = next((getattr(transformers, name) for name in names if hasattr(transformers, name)), None)

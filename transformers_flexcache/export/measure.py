@@ -101,7 +101,7 @@ def build_models(model: RealSizedModel, *, seed: int = 0):
     """(upstream model, override model with the same weights), eval mode, fp32."""
     import transformers
 
-    from ..registry import convert
+    from ..models.registry import convert
 
     torch.manual_seed(seed)
     upstream = getattr(transformers, model.upstream_class)(model.build_config()).eval()

@@ -20,7 +20,7 @@ from ..cache.buffer_views import (
     self_attention_rows,
 )
 from ..cache.placement import cross_attention_projections
-from ..modeling import FlexModelMixin
+from ..models.modeling import FlexModelMixin
 from .rewrites import export_friendly, infer_symbolic_view_dims
 
 # What an encoder-decoder `encoder` method takes: token ids, Whisper's log-mel frames, Pix2Struct's patches, or the

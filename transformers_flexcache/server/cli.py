@@ -10,7 +10,7 @@ Design decisions:
 - `--compile`: the bucketed shape policy, `compile_config_for_cpu()`, and `Engine.warmup()` before the port opens, so
   that no request pays a compile; each combination of buckets is one graph. Without `--buckets`, the engine's
   default buckets (`serving/buckets.py`: one seat and half the seats, half of each length; 12 graphs at most).
-- Once the engine is built and warmed up, the garbage collector's heap is frozen (`gc_heap.freeze_heap`, as vLLM
+- Once the engine is built and warmed up, the garbage collector's heap is frozen (`compile.gc_heap.freeze_heap`, as vLLM
   does after its start): a full collection would otherwise walk the compiled graphs and the model (0.1-1 s on the
   benchmark's CPU) while requests wait. Objects made while serving are still collected.
 - SIGTERM (or Ctrl-C): uvicorn closes the port and waits for the running requests to be answered; a new request on a
@@ -25,7 +25,7 @@ import signal
 import sys
 import time
 
-from ..gc_heap import freeze_heap
+from ..compile.gc_heap import freeze_heap
 from ..serving.buckets import default_buckets
 
 DEFAULT_MAX_BATCH_SIZE = 8
@@ -112,7 +112,7 @@ def load_checkpoint(path: str):
     from transformers import AutoConfig, AutoProcessor, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES
 
-    from ..registry import convert
+    from ..models.registry import convert
 
     try:
         config = AutoConfig.from_pretrained(path)
@@ -173,9 +173,8 @@ def engine_cache_config(args, config) -> dict:
 
 def build_engine(args, model, tokenizer):
     """The engine of the flags, compiled and warmed up under `--compile`."""
-    import torch
-
     from .. import compile_config_for_cpu
+    from ..compile.runtime import raise_recompile_limits
     from ..serving import Engine
 
     compile_config = compile_config_for_cpu() if args.compile else None
@@ -195,10 +194,7 @@ def build_engine(args, model, tokenizer):
     if args.compile:
         shapes = len(engine.decode_shapes())
         # The whole process serves one engine: let dynamo keep a graph per decode shape.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, shapes)
-        torch._dynamo.config.accumulated_recompile_limit = max(
-            torch._dynamo.config.accumulated_recompile_limit, shapes
-        )
+        raise_recompile_limits(shapes)
         print(f"compiling {shapes} decode shapes (fewer with --buckets)", flush=True)
         started = time.perf_counter()
         engine.warmup()

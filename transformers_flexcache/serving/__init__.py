@@ -4,7 +4,7 @@
   the decode step); `worker.py`: each request's own `generate`, run in a thread of its own, whose model calls the
   engine batches; `handle.py`: what `submit` returns, and the errors; `requests.py`: what `submit` accepts;
   `lockstep.py`: tensor-parallel steps; `buckets.py`: a compiled engine's buckets when none are named. Which request
-  a thread serves is `plan.serving_request()`, in the generate layer.
+  a thread serves is `generate.hooks.plugged_hooks()`, in the generate layer.
 
 The engine knows nothing of HTTP or tokenization.
 """

@@ -10,7 +10,7 @@ Design decisions:
   ones. Seats are taken lowest first, so that the decode step's span of seats stays short.
 - Each request runs its own `generate` (`worker.py`), so it returns exactly what `generate` returns for it alone; the
   engine only batches the model calls: encoders of the requests admitted together, their prefills, then one decode
-  step for every running request (`steps.py`). Each row has its own positions and lengths in the seat cache.
+  step for every running request (`steps.StepRunner`, which holds the facts of the model that those need). Each row has its own positions and lengths in the seat cache.
 - Under a `compile_config`, the decode step runs at a known set of shapes: the padded policy at the capacities, the
   bucketed one at the next bucket of the seats' span, of the longest running decoder length and of the longest
   encoder length (`CacheConfig.buckets_of`). `warmup()` compiles them all before serving; prefills and encoders run
@@ -23,9 +23,7 @@ Shape legend: `B` the decode step's span of seats, `W` its decoder columns, `E_W
 
 from __future__ import annotations
 
-import contextlib
 import heapq
-import inspect
 import itertools
 import threading
 import time
@@ -35,22 +33,19 @@ import torch
 from transformers.modeling_outputs import ModelOutput
 
 from ..cache import layer_specs_for_model
-from ..cache.config import Overflow, overflow_message
-from ..cache.placement import KEY_PROJECTION_NAMES, attention_modules, cross_attention_projections
+from ..cache.capacity import exceeding
+from ..cache.config import overflow_message
 from ..cache.seats import FlexibleSeatCache, FlexibleSeatEncoderDecoderCache
-from ..compilation import compile_settings, explained_recompile_limit
-from ..compiled_encoder import (
-    compiled_encoder,
-    cross_attention_projector,
-    encoder_compiles,
-    encoder_warmup_calls,
-)
-from ..quantization import check_compiled_int8
-from . import steps
+from ..compile.encoder import encoder_warmup_calls
+from ..compile.quantization import check_compiled_int8
+from ..compile.runtime import RECOMPILE_LIMIT_NAME, recompile_limit
+from ..compile.warmup import explained_recompile_limit
+from ..generate.policies import POLICIES
 from .handle import EngineClosedError, QueueFullError, RequestCancelledError, RequestHandle
 from .lockstep import HEARTBEAT_S, StepPlan, share, tensor_parallel_rank
-from .requests import check_request, engine_config, pad_token_id_of
-from .worker import RequestSpec, RequestWorker
+from .requests import check_request, engine_config
+from .steps import StepRunner
+from .worker import CallKind, RequestSpec, RequestWorker
 
 
 class Engine:
@@ -86,7 +81,7 @@ class Engine:
     """
 
     def __init__(self, model, *, cache_config: dict, compile_config=None, max_queue: int = 64, tokenizer=None):
-        from ..modeling import FlexModelMixin  # loaded on first use, as the package loads model code
+        from ..models.modeling import FlexModelMixin  # loaded on first use, as the package loads model code
 
         if not isinstance(model, FlexModelMixin):
             raise TypeError(
@@ -95,7 +90,7 @@ class Engine:
             )
         self.model = model
         self.config = engine_config(model, cache_config)
-        if compile_config is not None and not steps.has_fixed_shapes(self.config):
+        if compile_config is not None and not POLICIES[self.config.shape_policy].fixed_shapes:
             raise ValueError(
                 'compile_config needs fixed shapes: pass cache_config={"shape_policy": "bucketed", ...} (or "padded") '
                 "with it; the exact policy would compile a new graph at every step"
@@ -114,36 +109,14 @@ class Engine:
         self.model_device = self.cache.device
         own = self.cache.self_attention_cache if self.is_encoder_decoder else self.cache
         self.layer_flags = {"is_sliding": own.is_sliding, "is_linear": own.is_linear}
-        self.has_linear_layers = any(own.is_linear)
-        self.mask_kinds = self._mask_kinds(own)
-        self.input_ids_key = "decoder_input_ids" if self.is_encoder_decoder else "input_ids"
-        self.position_ids_key = self._position_ids_key()
-        self.encoder_mask_key = getattr(model, "_flex_encoder_mask_key", "attention_mask")
-        self.pad_token_id = pad_token_id_of(model)
-        self.output_type = steps.OUTPUT_TYPES[self.is_encoder_decoder]
-        self.encoder_dummy = self._encoder_dummy() if self.is_encoder_decoder else None
-        # Each layer's cross-attention projection (as the model's forward projects), or None: no request skips its
-        # prefill then.
-        self.cross_attention_projections = (
-            cross_attention_projections(self.model, len(self.cache.cross_attention_cache.layers))
-            if self.is_encoder_decoder
-            else None
+        # The batched model work, and the facts of the model it needs.
+        self.steps = StepRunner(
+            model=model,
+            cache=self.cache,
+            config=self.config,
+            compile_config=compile_config,
+            on_admitted=self._admitted,
         )
-        self.encoder_takes_mask = self.is_encoder_decoder and (
-            "attention_mask" in inspect.signature(model.get_encoder().forward).parameters
-        )
-        self.decode_forward = model.get_compiled_call(compile_config) if compile_config is not None else model
-        # A FlexCompileConfig (compile_config_for_cpu()) compiles the batched token encoder too, with dynamic shapes.
-        self.compiled_encoder = (
-            compiled_encoder(model, compile_config) if encoder_compiles(model, compile_config) else None
-        )
-        # The projections as a request joins: compiled for a quantized model (`cross_attention_projector`).
-        self.project_cross_attention = (
-            cross_attention_projector(model, compile_config, self.cross_attention_projections)
-            if self.cross_attention_projections is not None
-            else None
-        )
-        self._mask_fill = torch.finfo(model.dtype).min if model.config._attn_implementation == "eager" else None
 
         self._lock = threading.Condition()
         self._queue: deque[RequestSpec] = deque()
@@ -210,48 +183,8 @@ class Engine:
             layer_specs=specs, max_batch_size=self.max_batch_size, max_cache_len=self.max_cache_len
         )
 
-    def _mask_kinds(self, own: FlexibleSeatCache) -> dict:
-        """`{layer_type: sliding_window or None}` of the attention masks a decode step passes."""
-        kinds = {}
-        for spec in own.layer_specs:
-            if spec.layer_type != "linear_attention":
-                kinds[spec.layer_type] = spec.sliding_window
-        if len(set(kinds.values())) > 1:
-            source = inspect.getsource(type(self.model.base_model).forward)
-            if "isinstance(causal_mask_mapping := attention_mask, dict)" not in source:
-                raise ValueError(
-                    f"{type(self.model).__name__} mixes full and sliding-window layers but its forward takes one "
-                    "attention mask for all of them: the engine cannot give each kind its own; serve it with "
-                    "generate"
-                )
-        elif len(kinds) == 1:
-            kinds = {"attention": next(iter(kinds.values()))}
-        return kinds
-
-    def _position_ids_key(self) -> str | None:
-        names = inspect.signature(self.model.forward).parameters
-        key = "decoder_position_ids" if self.is_encoder_decoder else "position_ids"
-        return key if key in names else None
-
-    def _encoder_dummy(self) -> torch.Tensor:
-        """`[1, 1, d]` zeros: the encoder states a decode step passes (only their batch size is read)."""
-        _, cross = attention_modules(self.model)
-        module = next(iter(cross.values()))
-        projection = next(getattr(module, name) for name in KEY_PROJECTION_NAMES if hasattr(module, name))
-        return torch.zeros(1, 1, projection.in_features, dtype=self.model.dtype, device=self.model_device)
-
-    # --- what steps.py asks -----------------------------------------------------------------------------------
-    def format_mask(self, valid: torch.Tensor) -> torch.Tensor:
-        """`[B, W]` bool -> the 4D mask `[B, 1, 1, W]` of the model's attention implementation."""
-        mask = valid[:, None, None, :]
-        if self._mask_fill is None:
-            return mask
-        return torch.zeros(mask.shape, dtype=self.model.dtype, device=mask.device).masked_fill(~mask, self._mask_fill)
-
-    def compile_settings(self):
-        return compile_settings(self.compile_config) if self.compile_config is not None else contextlib.nullcontext()
-
-    def note_admitted(self, seats) -> None:
+    # --- what the steps and the requests ask ------------------------------------------------------------------
+    def _admitted(self, seats) -> None:
         """A request's prefill ran: record when (the first one, for a request of several generate calls)."""
         handle = seats.owner.handle
         if handle.admitted_at is None:
@@ -333,10 +266,10 @@ class Engine:
         if self.compile_config is None:
             raise ValueError("warmup() compiles the decode step: build the engine with a compile_config")
         shapes = self.decode_shapes()
-        limit = torch._dynamo.config.recompile_limit
+        limit = recompile_limit()
         if len(shapes) > limit:
             raise ValueError(
-                f"{len(shapes)} decode shapes exceed torch._dynamo.config.recompile_limit={limit}: set it to "
+                f"{len(shapes)} decode shapes exceed {RECOMPILE_LIMIT_NAME}={limit}: set it to "
                 f"{len(shapes)} (or more) first, or list fewer sizes in cache_config['buckets']"
             )
         with self._model_lock, torch.no_grad():
@@ -344,31 +277,19 @@ class Engine:
                 raise RuntimeError("warmup() runs before serving: requests are running")
             with explained_recompile_limit(len(shapes)):
                 for span, window, cross_window in shapes:
-                    steps.run_dummy_decode(self, span, window, cross_window)
+                    self.steps.run_dummy_decode(span, window, cross_window)
                 # the compiled encoder's graphs: a single row (a graph of its own where the encoder does not pack;
                 # an int8 model's projections share one), several rows, and an int8 model's library kernels for many
-                # (`compiled_encoder.encoder_graph`)
+                # (`compile.encoder.encoder_graph`)
                 for rows, positions in encoder_warmup_calls(
                     self.model, self.compile_config, self.max_batch_size, self.max_encoder_len
                 ):
-                    steps.run_dummy_encoder(self, rows, positions)
+                    self.steps.run_dummy_encoder(rows, positions)
         return len(shapes)
 
     def decode_shapes(self) -> list[tuple]:
         """Every `(B, W, E_W)` a decode step can run at under the shape policy (E_W None without an encoder)."""
-        if not steps.has_fixed_shapes(self.config):
-            raise ValueError("the exact policy has no fixed set of decode shapes")
-        config = self.config
-        encoders = (
-            steps.policy_sizes(config, "max_encoder_len", self.max_encoder_len) if self.is_encoder_decoder else (None,)
-        )
-        return list(
-            itertools.product(
-                steps.policy_sizes(config, "max_batch_size", self.max_batch_size),
-                steps.policy_sizes(config, "max_cache_len", self.max_cache_len),
-                encoders,
-            )
-        )
+        return self.steps.decode_shapes()
 
     def follow(self, timeout: float | None = None) -> None:
         """On a rank other than 0 of a tensor-parallel model: run the steps rank 0's engine decides, until it closes;
@@ -497,42 +418,32 @@ class Engine:
         """Run every worker's pending model calls: encoders, then prefills (until none is left), then one decode
         step for every running request."""
         while True:
-            encoding = self._pending("encode")
+            encoding = self._pending(CallKind.ENCODE)
             if encoding:
-                self._answer(encoding, steps.run_encoders(self, encoding))
+                self._answer(encoding, self.steps.run_encoders(encoding))
                 continue
-            prefilling = [worker for worker in self._pending("forward") if not worker.pending.payload[0].admitted]
-            joining = [worker for worker in prefilling if self._joins(worker)]
+            prefilling = [worker for worker in self._pending(CallKind.FORWARD) if not worker.pending.seats.admitted]
+            joining = [worker for worker in prefilling if self.steps.joins(worker.pending)]
             if joining:
                 self.stats["joined"] += len(joining)
-                for worker, (_, error) in zip(joining, steps.run_joins(self, joining), strict=True):
+                for worker, (_, error) in zip(joining, self.steps.run_joins(joining), strict=True):
                     if error is not None:
                         self._resume(worker, error=error)
                 continue
             if prefilling:
-                self._answer(prefilling, steps.run_prefills(self, prefilling))
+                self._answer(prefilling, self.steps.run_prefills(prefilling))
                 continue
             break
-        decoding = self._pending("forward")
+        decoding = self._pending(CallKind.FORWARD)
         if decoding:
             self._check_room(decoding)
-            decoding = self._pending("forward")
+            decoding = self._pending(CallKind.FORWARD)
             if decoding:
                 self.stats["decode_steps"] += 1
-                self.stats["rows"] += sum(len(worker.pending.payload[0].rows) for worker in decoding)
-                self._answer(decoding, steps.run_decode(self, decoding))
+                self.stats["rows"] += sum(len(worker.pending.seats.rows) for worker in decoding)
+                self._answer(decoding, self.steps.run_decode(decoding))
 
-    def _joins(self, worker: RequestWorker) -> bool:
-        """Whether a request's first model call can be its first decode step (see `steps.run_joins`)."""
-        _, model_inputs = worker.pending.payload
-        return (
-            self.is_encoder_decoder
-            and self.cross_attention_projections is not None
-            and model_inputs[self.input_ids_key].shape[1] == 1
-            and model_inputs.get("decoder_attention_mask") is None
-        )
-
-    def _pending(self, kind: str) -> list[RequestWorker]:
+    def _pending(self, kind: CallKind) -> list[RequestWorker]:
         found = []
         for worker in list(self._workers):
             if worker.pending is not None and worker.pending.kind == kind:
@@ -544,9 +455,10 @@ class Engine:
 
     def _check_room(self, workers: list[RequestWorker]) -> None:
         for worker in workers:
-            seats = worker.pending.payload[0]
-            if seats.length >= self.max_cache_len:
-                message = overflow_message([Overflow("max_cache_len", seats.length + 1, self.max_cache_len)])
+            seats = worker.pending.seats
+            exceeded = exceeding({"max_cache_len": seats.length + 1}, {"max_cache_len": self.max_cache_len})
+            if exceeded:
+                message = overflow_message(exceeded)
                 self._resume(worker, error=ValueError(f"the request outgrew the engine: {message}"))
 
     def _stopping(self, worker: RequestWorker) -> bool:
@@ -572,7 +484,7 @@ class Engine:
         """If `worker` ended, give its seats back, then its result to its handle (so that a caller who sees the result
         sees the seats free)."""
         call = worker.pending
-        if call.kind not in ("done", "failed"):
+        if call.kind not in (CallKind.DONE, CallKind.FAILED):
             return
         if worker.session is not None:
             worker.session.close()
@@ -583,15 +495,15 @@ class Engine:
                 heapq.heappush(self._free_seats, seat)
             self._lock.notify_all()
         handle = worker.handle
-        if call.kind == "done":
-            result = _without_cache(call.payload)
+        if call.kind == CallKind.DONE:
+            result = _without_cache(call.output)
             if not worker.spec.stream:
                 _push_result_tokens(handle, result, worker.spec.prompt_len)
             self.stats["finished"] += 1
             handle.finish(result=result)
         else:
-            self.stats["cancelled" if isinstance(call.payload, RequestCancelledError) else "failed"] += 1
-            handle.finish(error=call.payload)
+            self.stats["cancelled" if isinstance(call.error, RequestCancelledError) else "failed"] += 1
+            handle.finish(error=call.error)
 
     def _fail_everything(self, error: BaseException) -> None:
         with self._lock:

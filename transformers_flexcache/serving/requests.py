@@ -15,8 +15,9 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.modeling_outputs import ModelOutput
 
 from ..cache import CacheConfig
-from ..cache.config import Overflow, overflow_message
-from ..plan import CallPlan
+from ..cache.capacity import exceeding
+from ..cache.config import overflow_message
+from ..generate.plan import CallPlan
 from .handle import CapacityError, RequestHandle
 from .worker import RequestSpec
 
@@ -110,7 +111,7 @@ def check_request(engine, seed: int | None, kwargs: dict, *, on_cancel) -> Reque
                 "engine batches requests itself)"
             )
     model = engine.model
-    # What generate would resolve and need for this request alone, resolved once (the call plan of `plan.py`).
+    # What generate would resolve and need for this request alone, resolved once (the call plan of `generate/plan.py`).
     plan = CallPlan.resolve(model, kwargs)
     generation_config = plan.generation_config
     mode = generation_config.get_generation_mode()
@@ -158,7 +159,7 @@ def _check_fits(engine, need) -> None:
         "max_cache_len": engine.max_cache_len,
         "max_encoder_len": engine.max_encoder_len,
     }
-    exceeded = [Overflow(name, value, limits[name]) for name, value in stated.items() if value > limits[name]]
+    exceeded = exceeding(stated, limits)
     if exceeded:
         raise CapacityError(
             f"this request can never fit the engine: {overflow_message(exceeded)}",
@@ -177,7 +178,7 @@ def pad_token_id_of(model) -> int:
 
 def is_whisper_like(model) -> bool:
     """Whether the model's own generate calls upstream's on batches of its own (Whisper)."""
-    from ..generation import FlexCacheInnerGenerateMixin
+    from ..generate.mixin import FlexCacheInnerGenerateMixin
 
     return isinstance(model, FlexCacheInnerGenerateMixin)
 

@@ -4,9 +4,8 @@ Design decisions:
 - Each admitted request runs `model.generate(**inputs, **generation_kwargs)` itself, unchanged: upstream's own
   preparation (special tokens, logits processors, stopping criteria, beam bookkeeping, Whisper's prompts, fallbacks and
   post-processing) decides everything about the request, so the engine returns what `generate` returns for it alone.
-  Three hooks hand the model's work to the engine instead of running it: the encoder call
-  (`FlexCacheGenerationMixin._prepare_text_encoder_decoder_kwargs_for_generation`), the cache (`RequestSeats`, from
-  `_prepare_cache_for_generation`) and the model call (`FlexModelMixin.__call__` given a `RequestSeats`).
+  Generate's plug-in seam hands the model's work to the engine instead of running it (`request_seats.py`: the worker
+  plugs `RequestSeatsHooks` in for its call): the encoder call, the cache (`RequestSeats`) and the model call.
 - Workers take turns: the scheduler resumes one, and waits until it hands back its next model call (or ends), before
   resuming the next. So a request's Python work (logits processors, token choice, stopping) never runs beside
   another's, and the model runs in one thread, the scheduler's.
@@ -18,6 +17,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import enum
 import queue
 import threading
 from dataclasses import dataclass
@@ -26,20 +26,38 @@ from typing import Any
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from .. import plan as calls
-from ..cache.config import Overflow, overflow_message
-from ..cache.seats import RequestSeats
-from ..plan import rows_per_input
+from ..generate.hooks import plugged
 from .handle import RequestHandle
+from .request_seats import RequestSeats, RequestSeatsHooks
+
+
+class CallKind(enum.Enum):
+    """What a worker's pending call asks of the scheduler."""
+
+    ENCODE = "encode"  # the request's encoder outputs
+    FORWARD = "forward"  # a model call on the request's seats: its prefill, or a decode step
+    DONE = "done"  # the request's generate returned
+    FAILED = "failed"  # the request's generate raised
 
 
 @dataclass
-class EngineCall:
-    """What a worker hands back to the scheduler: `"encode"` (encoder kwargs), `"forward"` (`(seats, model_inputs)`),
-    `"done"` (generate's output) or `"failed"` (the error)."""
+class PendingCall:
+    """What a worker hands back to the scheduler and waits on: its next model call, or how its `generate` ended.
 
-    kind: str
-    payload: Any = None
+    Attributes:
+        kind (`CallKind`): which of the fields below it carries.
+        encoder_kwargs (`dict`): `ENCODE`: the encoder's kwargs, as upstream's generate builds them.
+        seats (`RequestSeats`), model_inputs (`dict`): `FORWARD`: the request's seats and the model call's kwargs.
+        output: `DONE`: what `generate` returned.
+        error (`BaseException`): `FAILED`: what it raised.
+    """
+
+    kind: CallKind
+    encoder_kwargs: dict | None = None
+    seats: Any = None
+    model_inputs: dict | None = None
+    output: Any = None
+    error: BaseException | None = None
 
 
 @dataclass
@@ -84,7 +102,7 @@ class RequestWorker:
     """Runs one request's `generate` in its own thread, taking turns with the engine's scheduler.
 
     The scheduler calls `start()` once, then `resume(result)` with the answer to each call the worker made; both return
-    the worker's next `EngineCall`.
+    the worker's next `PendingCall`.
     """
 
     def __init__(self, *, engine, spec: RequestSpec, seats: list[int]):
@@ -93,7 +111,7 @@ class RequestWorker:
         self.handle = spec.handle
         self.seats = torch.tensor(seats, dtype=torch.long)
         self.session: RequestSeats | None = None
-        self.pending: EngineCall | None = None
+        self.pending: PendingCall | None = None
         self._turn = threading.Event()
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._reply: tuple = (None, None)
@@ -104,11 +122,11 @@ class RequestWorker:
         )
 
     # --- the scheduler's side ---------------------------------------------------------------------------------
-    def start(self) -> EngineCall:
+    def start(self) -> PendingCall:
         self._thread.start()
         return self.resume()
 
-    def resume(self, result=None, error: BaseException | None = None) -> EngineCall:
+    def resume(self, result=None, error: BaseException | None = None) -> PendingCall:
         """Give the worker its turn, with the answer to its last call; wait for its next call."""
         self._reply = (result, error)
         self._turn.set()
@@ -116,9 +134,9 @@ class RequestWorker:
         return self.pending
 
     # --- the worker's side ------------------------------------------------------------------------------------
-    def call(self, kind: str, payload):
-        """Hand `payload` to the scheduler and wait for the answer (raised when it is an error)."""
-        self._hand_back(EngineCall(kind, payload))
+    def call(self, call: PendingCall):
+        """Hand `call` to the scheduler and wait for the answer (raised when it is an error)."""
+        self._hand_back(call)
         self._wait_turn()
         result, error = self._reply
         if error is not None:
@@ -127,58 +145,24 @@ class RequestWorker:
 
     def encode(self, encoder_kwargs: dict):
         """The request's encoder outputs, computed in the engine's next batched encoder call."""
-        return self.call("encode", encoder_kwargs)
+        return self.call(PendingCall(CallKind.ENCODE, encoder_kwargs=encoder_kwargs))
 
-    def open_session(self, generation_config, model_kwargs: dict, batch_size: int, max_cache_length: int):
-        """The cache for one `generate` call of this request (Whisper makes one per segment and fallback): the
-        request's seats, checked to hold what the call needs.
-
-        Raises:
-            ValueError: the call needs more rows than the request's seats, or more decoder or encoder positions than
-                the engine's capacities (value, limit and the `cache_config` that fits).
-        """
-        need = {
-            # Upstream's own numbers, as generate states them (`CallPlan.need_of`): rows of the call's batch, its
-            # decoder positions (at least the `max_cache_len` option) and its encoder length.
-            "max_batch_size": batch_size * rows_per_input(self.engine.model, generation_config),
-            "max_cache_len": max(max_cache_length, generation_config.max_cache_len or 0),
-        }
-        if self.engine.is_encoder_decoder:
-            need["max_encoder_len"] = model_kwargs["encoder_outputs"][0].shape[1]
-        limits = {
-            "max_batch_size": len(self.seats),
-            "max_cache_len": self.engine.max_cache_len,
-            "max_encoder_len": self.engine.max_encoder_len,
-        }
-        exceeded = [Overflow(name, value, limits[name]) for name, value in need.items() if value > limits[name]]
-        if exceeded:
-            raise ValueError(f"the serving engine cannot run this request: {overflow_message(exceeded)}")
-        if self.session is not None:
-            self.session.close()
-        self.session = RequestSeats(
-            run_forward=lambda seats, model_inputs: self.call("forward", (seats, model_inputs)),
-            reorder_rows=self.engine.reorder_seats,
-            owner=self,
-            rows=self.seats[: need["max_batch_size"]],
-            encoder_len=need.get("max_encoder_len"),
-            layer_flags=self.engine.layer_flags,
-        )
-        return self.session
+    def forward(self, seats, model_inputs: dict):
+        """The outputs of a model call on the request's `seats`, run in the engine's next batched step."""
+        return self.call(PendingCall(CallKind.FORWARD, seats=seats, model_inputs=model_inputs))
 
     def _main(self) -> None:
         self._wait_turn()
-        token = calls.serve_request(self)
         try:
             kwargs = dict(self.spec.generation_kwargs)
             if self.spec.stream:
                 kwargs["streamer"] = _HandleStreamer(self.handle)
-            output = self.engine.model.generate(**self.spec.inputs, **kwargs)
+            with plugged(RequestSeatsHooks(self)):  # generate's cache, encoder and model calls go to the engine
+                output = self.engine.model.generate(**self.spec.inputs, **kwargs)
         except BaseException as error:  # the request fails, the engine goes on
-            self._hand_back(EngineCall("failed", error))
+            self._hand_back(PendingCall(CallKind.FAILED, error=error))
         else:
-            self._hand_back(EngineCall("done", output))
-        finally:
-            calls.stop_serving(token)
+            self._hand_back(PendingCall(CallKind.DONE, output=output))
 
     def _wait_turn(self) -> None:
         self._turn.wait()
@@ -186,7 +170,7 @@ class RequestWorker:
         self._outer_rng = _get_rng(self.engine.model_device)
         _set_rng(self._rng, self.engine.model_device)
 
-    def _hand_back(self, call: EngineCall) -> None:
+    def _hand_back(self, call: PendingCall) -> None:
         self._rng = _get_rng(self.engine.model_device)
         _set_rng(self._outer_rng, self.engine.model_device)
         self._calls.put(call)

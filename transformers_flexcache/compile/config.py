@@ -1,0 +1,193 @@
+"""The compiled path's settings: `compile_config_for_cpu()` for a fast decode step on CPU, and `compile_settings`.
+
+Design decisions:
+- One option, in upstream's own terms: `compile_config_for_cpu()` returns a `transformers.CompileConfig`, which
+  `generate(compile_config=...)` already takes for every cache (upstream's static cache too, so a comparison is
+  fair). Compiling is a property of the call, not of the cache: it does not belong in `cache_config`.
+- Its settings were measured on the benchmark's models (docs/performance.md): inductor with `freezing=True` (weights
+  become constants of the graph, so linear layers run prepacked oneDNN/MKL kernels and their layout conversions are
+  folded away) and `dynamic=False` (a graph per shape, which the fixed-shape policies bound; a dynamic graph would
+  give up the static sizes that make the kernels fast). `fullgraph=True`: a graph break would be a silent slow path.
+  `_compile_all_devices`: upstream's generate compiles on accelerators only unless told. The frozen fp32 linears run
+  oneDNN's kernels where MKL has no fast path (CPUs other than Intel's; `compile/linear_kernels.py`): on an AMD EPYC a step
+  at batch 4-8 took a third of the time of MKL's linears.
+- Freezing needs gradients off while compiling, which upstream's `generate` guarantees (`torch.no_grad`), and it must
+  be on while dynamo *traces*: dynamo decides then whether parameters become graph constants, reading inductor's
+  global `freezing` (torch==2.13.0: `torch._dynamo.utils.is_parameter_freezing`), and `torch.compile(options=...)`
+  only reaches inductor afterwards. So `options={"freezing": True}` alone is silently ignored (measured: the graph
+  kept `aten.mm` on parameter inputs). `compile_settings` sets it for the duration of each flexible fixed-shape
+  `generate` call whose `compile_config` asks for it (`hooks.CompileHooks.call_context`), and puts the previous
+  value back.
+  Graphs keep what they were compiled with, so later calls reuse them. What freezing costs: weights changed after a
+  graph was compiled are not seen by it (the graph holds its own constants), and the prepacked copies take memory
+  beside the model's parameters.
+- `FlexCompileConfig` is upstream's `CompileConfig` plus what a flexible call's plug-ins read (`compile_encoder`,
+  `step_guards`); `compile_settings` puts the inductor settings that dynamo reads while tracing in force around a
+  call (`hooks.CompileHooks.call_context`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from transformers import CompileConfig
+
+from .decode_attention import OneQueryAttention, resolve_decode_attention
+from .linear_kernels import (
+    Int8DotExpansion,
+    Int8DotProducts,
+    Int8FbgemmMatmuls,
+    Int8FloatGemms,
+    OneDNNLinears,
+    OneRowLinears,
+    resolve_int8_linears,
+    resolve_linear_kernels,
+    resolve_one_row_linears,
+)
+
+# Inductor settings of `compile_config_for_cpu`, measured (docs/compile.md, "Compiling `generate`").
+CPU_INDUCTOR_OPTIONS = {"freezing": True}
+
+# Inductor settings that dynamo reads while tracing, so that `torch.compile(options=...)` comes too late for them.
+TRACE_TIME_OPTIONS = ("freezing",)
+STEP_GUARDS = ("first", "every")
+
+__all__ = ["FlexCompileConfig", "compile_config_for_cpu", "compile_settings"]
+
+
+class FlexCompileConfig(CompileConfig):
+    """Upstream's `CompileConfig`, whose `generate` compiles the decode step, plus `compile_encoder`: under a
+    fixed-shape policy, compile the token encoder of an encoder-decoder call too, with dynamic shapes; and
+    `step_guards`: `"first"` (a flexible call's compiled decode steps check dynamo's guards in full at the call's
+    first step only, `hooks.GuardsOfFirstStep`) or `"every"` (at every step, as upstream's generate does).
+
+    Neither is one of `torch.compile`'s arguments: they are kept out of `to_dict()` (which upstream passes to
+    `torch.compile`) and out of equality (the decode graphs do not depend on them).
+
+    Raises:
+        ValueError: `step_guards` is not `"first"` or `"every"`.
+    """
+
+    def __init__(self, *args, compile_encoder: bool = True, step_guards: str = "first", **kwargs):
+        if step_guards not in STEP_GUARDS:
+            raise ValueError(f"step_guards={step_guards!r} is not one of {STEP_GUARDS}")
+        super().__init__(*args, **kwargs)
+        self.compile_encoder = compile_encoder
+        self.step_guards = step_guards
+
+    def to_dict(self) -> dict:
+        arguments = super().to_dict()
+        arguments.pop("compile_encoder", None)
+        arguments.pop("step_guards", None)
+        return arguments
+
+
+@contextlib.contextmanager
+def compile_settings(compile_config: CompileConfig | None):
+    """Within this context, the inductor settings of `compile_config.options` that dynamo reads while tracing
+    (`TRACE_TIME_OPTIONS`) are in force, as the config asks; the previous values are restored afterwards.
+
+    It patches a global of inductor for the duration: compile (`compile.warmup.warmup()`) before calls run in several threads.
+    """
+    options = getattr(compile_config, "options", None) or {}
+    patch = {name: options[name] for name in TRACE_TIME_OPTIONS if name in options}
+    if not patch:
+        yield
+        return
+    with torch._inductor.config.patch(patch):
+        yield
+
+
+def compile_config_for_cpu(
+    *,
+    fullgraph: bool = True,
+    linear_kernels: str = "auto",
+    one_row_linears: str = "auto",
+    int8_linears: str = "auto",
+    decode_attention: str = "auto",
+    encoder: bool = True,
+    step_guards: str = "first",
+    **options,
+) -> CompileConfig:
+    """A `CompileConfig` that compiles generate's decode step for speed on CPU.
+
+    Args:
+        fullgraph (`bool`, *optional*, defaults to `True`): fail on a graph break instead of running a slow path.
+        linear_kernels (`str`, *optional*, defaults to `"auto"`): the kernels of the frozen fp32 linear layers:
+            `"mkl"` (inductor's own choice), `"onednn"`, or `"auto"`: MKL on Intel CPUs, oneDNN on the others (as
+            CTranslate2 chooses). oneDNN is set as an inductor post-grad pass (`OneDNNLinears`).
+        one_row_linears (`str`, *optional*, defaults to `"auto"`): the frozen fp32 linears of a graph of one row (a
+            decode step at batch 1): `"inductor"` (a dot product per output that inductor generates, reading the
+            weight once: `OneRowLinears`), `"library"` (the `linear_kernels` above), or `"auto"`: inductor's where
+            the CPU is not Intel's. On an AMD EPYC Zen 3 T5's step at batch 1 took 22 ms against oneDNN's 30.
+        int8_linears (`str`, *optional*, defaults to `"auto"`): the int8 matrix multiplies of a model quantized with
+            `quantize(model, "int8")`: `"fbgemm"` (FBGEMM's int8 GEMMs, exact on 7-bit weights:
+            `Int8FbgemmMatmuls`; decode steps of 1-2 rows as inductor's dot products, but their output layer),
+            `"inductor"` (in graphs of at most 8 rows, decode steps, dot products that inductor generates:
+            `Int8DotProducts`; in graphs of dynamic rows, the compiled encoder and projections, float32 GEMMs of
+            the integers up to 128 positions a call: `Int8FloatGemms`; both exact), `"library"` (oneDNN's int8
+            kernels), or `"auto"`: where the CPU has no VNNI, where oneDNN's int8 kernels are slower than float32's,
+            FBGEMM's (inductor's where torch has no FBGEMM); elsewhere the library's.
+        decode_attention (`str`, *optional*, defaults to `"auto"`): the attention of a decode step (one query
+            position, float32): `"inductor"` (written as products, sums and softmax that inductor generates and fuses:
+            `compile.decode_attention.OneQueryAttention`), `"library"` (torch's flash attention kernel, one call per
+            attention), or `"auto"`: inductor's. On an AMD EPYC Zen 3 the kernel's fixed cost was about 0.7 ms of
+            T5's 12 ms step at batch 1.
+        encoder (`bool`, *optional*, defaults to `True`): under a padded or bucketed `flexible_static` policy (and in
+            the serving engine), compile an encoder-decoder call's token encoder too, with dynamic shapes
+            (`compile/encoder.py`); upstream's generate runs it eagerly.
+        step_guards (`str`, *optional*, defaults to `"first"`): `"first"`: a flexible call's compiled decode steps
+            check dynamo's guards in full at the call's first step, the later steps only those that tell its graphs
+            apart (`compile.hooks.GuardsOfFirstStep`; 0.4-0.7 ms a step less on T5); `"every"`: every guard at every
+            step, as upstream's generate.
+        **options: inductor settings added to (or replacing) `CPU_INDUCTOR_OPTIONS`, e.g. `cpp_wrapper=True`.
+
+    Returns:
+        `FlexCompileConfig` (upstream's `CompileConfig` with `compile_encoder`): inductor, `dynamic=False`, the options
+        above; compiling on CPU enabled.
+
+    Raises:
+        ValueError: `linear_kernels` is not one of `"auto"`, `"onednn"`, `"mkl"`, `one_row_linears` or
+            `decode_attention` not one of `"auto"`, `"inductor"`, `"library"`, `int8_linears` not one of `"auto"`,
+            `"fbgemm"`, `"inductor"`, `"library"`, or `step_guards` not one of `"first"`, `"every"`.
+
+    Example:
+
+    ```python
+    >>> out = model.generate(
+    ...     **inputs,
+    ...     cache_implementation="flexible_static",
+    ...     cache_config={"shape_policy": "bucketed", "max_batch_size": 8, "max_cache_len": 64, "max_encoder_len": 64},
+    ...     compile_config=compile_config_for_cpu(),
+    ... )
+    ```
+    """
+    passes = []  # one-row linears first: `OneDNNLinears` repacks whichever MKL linears are left
+    kernel_options = {}
+    int8_kernels = resolve_int8_linears(int8_linears)
+    if int8_kernels == "fbgemm":  # before freezing, which would make them oneDNN's; one row: dot products
+        kernel_options["joint_custom_post_pass"] = (Int8FbgemmMatmuls(), Int8DotProducts())
+        passes.append(Int8DotExpansion())
+    elif int8_kernels == "inductor":  # marked before freezing, expanded after
+        kernel_options["joint_custom_post_pass"] = (Int8DotProducts(), Int8FloatGemms())
+        passes.append(Int8DotExpansion())
+    if resolve_one_row_linears(one_row_linears) == "inductor":
+        passes.append(OneRowLinears())
+    if resolve_linear_kernels(linear_kernels) == "onednn":
+        passes.append(OneDNNLinears())
+    if resolve_decode_attention(decode_attention) == "inductor":
+        passes.append(OneQueryAttention())
+    if passes:
+        kernel_options["post_grad_custom_post_pass"] = tuple(passes)
+    config = FlexCompileConfig(
+        compile_encoder=encoder,
+        step_guards=step_guards,
+        fullgraph=fullgraph,
+        dynamic=False,
+        backend="inductor",
+        mode=None,  # torch.compile takes a mode or options, not both
+        options={**CPU_INDUCTOR_OPTIONS, **kernel_options, **options},
+    )
+    config._compile_all_devices = True  # upstream's generate compiles on CPU only when told to
+    return config

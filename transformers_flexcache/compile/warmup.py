@@ -1,0 +1,171 @@
+"""`warmup()`: every graph that calls under a fixed-shape `cache_config` can need, compiled before serving any of them.
+
+`warmup()` runs one short call per shape of `PaddedPolicy.call_shapes`, so that every graph the shape policy can
+need is compiled (and, under `mode="reduce-overhead"`, recorded as a CUDA graph) before the first request (padded:
+one shape; bucketed: one per combination of buckets), and then the encoder graphs those calls leave out
+(`encoder.encoder_warmup_calls`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+from transformers import CompileConfig
+from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
+
+from ..cache import CacheConfig
+from ..generate.policies import POLICIES
+from ..generate.request import FLEXIBLE_STATIC
+from .encoder import encoder_graph, encoder_warmup_calls, has_int8_variants
+
+# Forwards of each warm-up call: the first, one decode step that compiles, one that records CUDA graphs.
+WARMUP_FORWARDS = 3
+
+__all__ = ["warmup"]
+
+
+class StopAfterSteps(StoppingCriteria):
+    """Stops every row after `num_steps` decoding steps: a warm-up call needs the graphs, not the tokens."""
+
+    def __init__(self, num_steps: int):
+        self.num_steps = num_steps
+        self.steps = 0
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        # input_ids: [rows, T] -> [rows]
+        self.steps += 1
+        return torch.full(
+            (input_ids.shape[0],), self.steps >= self.num_steps, dtype=torch.bool, device=input_ids.device
+        )
+
+
+def warmup(
+    model,
+    make_inputs,
+    *,
+    max_new_tokens: int,
+    cache_config,
+    compile_config: CompileConfig | None = None,
+    **generate_kwargs,
+) -> list:
+    """Compile every graph that calls under a fixed-shape `cache_config` can need, before serving any of them.
+
+    Runs one `generate` call per shape of the shape policy (`PaddedPolicy.call_shapes`: every rows bucket, prompt or
+    encoder length bucket and decoder length bucket that calls of up to `max_new_tokens` new tokens reach), each
+    stopped after three forwards: the first (eager, or a compiled prefill) and two decode steps, the first of which
+    compiles the shape's graph and the second of which records its CUDA graph (`mode="reduce-overhead"` runs a new
+    graph once before recording it). Afterwards no call within the capacities compiles or records anything.
+
+    Args:
+        model: a model with `flexible_static` in its generate (an override model).
+        make_inputs (`Callable[[int, int], dict]`): `make_inputs(batch_size, length)` returns generate inputs of
+            `batch_size` rows whose prompt (decoder-only) or encoder input (encoder-decoder) is `length` positions
+            long, e.g. `lambda b, n: {"input_ids": torch.full((b, n), 5)}`. For Whisper `length` can be ignored.
+        max_new_tokens (`int`): the most new tokens a served call will ask for.
+        cache_config (`dict` or `CacheConfig`): the `cache_config` of the served calls: a fixed-shape policy with
+            its capacities set.
+        compile_config (`CompileConfig`, *optional*): what the served calls pass; None when `model.forward` is
+            compiled already.
+        **generate_kwargs: other arguments the served calls pass (`num_beams` changes the rows per input).
+
+    Run it as the served calls run: dynamo guards on the grad mode, so served calls under `torch.inference_mode()`
+    need a warmup under it too (else they compile again).
+
+    Returns:
+        `list[CallShape]`: the shapes run (`transformers_flexcache.padded_call.CallShape`). Generate's `compile_config`
+        compiles one decode graph per distinct `(batch_size, cache_len)` (decoder-only) or `(batch_size, length,
+        cache_len)` (encoder-decoder); a compiled `model.forward` also one prefill graph per shape.
+
+    Raises:
+        ValueError: the policy is `"exact"`, a capacity is not set, `max_new_tokens` does not fit, or there are more
+            shapes than dynamo keeps graphs of one function (`torch._dynamo.config.recompile_limit`): the others would
+            run eagerly, without a word.
+    """
+    config = CacheConfig.parse(cache_config)
+    policy = POLICIES[config.shape_policy]
+    if not policy.fixed_shapes:
+        raise ValueError(
+            f'warmup needs a fixed-shape policy, not shape_policy={config.shape_policy!r}: pass cache_config={{"shape_'
+            'policy": "bucketed", ...}} (or "padded"); the exact policy compiles a new graph for every shape'
+        )
+    generation_config = model.generation_config
+    expand = max(
+        generate_kwargs.get("num_beams", generation_config.num_beams) or 1,
+        generate_kwargs.get("num_return_sequences", generation_config.num_return_sequences) or 1,
+    )
+    shapes = policy.call_shapes(model, config, max_new_tokens=max_new_tokens, expand=expand)
+    limit = torch._dynamo.config.recompile_limit
+    if len(shapes) > limit:
+        raise ValueError(
+            f"{len(shapes)} shapes to compile exceed torch._dynamo.config.recompile_limit={limit}: dynamo would run "
+            f"the calls of the others eagerly; set torch._dynamo.config.recompile_limit = {len(shapes)} (or more) "
+            'first, or list fewer sizes in cache_config["buckets"]'
+        )
+    with explained_recompile_limit(len(shapes)):
+        _run_shapes(model, make_inputs, shapes, config, compile_config, generate_kwargs)
+        _run_shapes(
+            model, make_inputs, _encoder_shapes(model, shapes, compile_config), config, compile_config, generate_kwargs
+        )
+    return shapes
+
+
+def _encoder_shapes(model, shapes: list, compile_config) -> list:
+    """The calls that compile the encoder graphs the shapes leave out: a compiled encoder (`encoder.py`) runs
+    at the call's own rows and length with dynamic shapes: one graph for a single row (where the encoder does not
+    pack: a packed one, and an int8 model's projections, run it in the graph of several), one for more, and for an
+    int8 model one more for many (`encoder.encoder_graph`). Each shape's call ran at its bucket's rows and
+    length (the capacities always among them); a graph none of them reached gets a call of its own."""
+    if not shapes:
+        return []
+    calls = encoder_warmup_calls(
+        model, compile_config, max(shape.batch_size for shape in shapes), max(shape.length for shape in shapes)
+    )
+    variants = has_int8_variants(model, compile_config)
+    reached = {
+        encoder_graph(shape.batch_size, shape.length, int8_variants=variants) for shape in shapes if shape.length > 1
+    }
+    smallest = min(shapes, key=lambda shape: (shape.batch_size, shape.length))
+    return [
+        dataclasses.replace(smallest, batch_size=batch, length=positions)
+        for batch, positions in calls
+        if encoder_graph(batch, positions, int8_variants=variants) not in reached
+    ]
+
+
+def _run_shapes(model, make_inputs, shapes, config, compile_config, generate_kwargs: dict) -> None:
+    for shape in shapes:
+        stopping = StoppingCriteriaList(
+            [*(generate_kwargs.get("stopping_criteria") or []), StopAfterSteps(WARMUP_FORWARDS)]
+        )
+        model.generate(
+            **make_inputs(shape.batch_size, shape.length),
+            **{**generate_kwargs, "stopping_criteria": stopping},
+            cache_implementation=FLEXIBLE_STATIC,
+            cache_config=config.to_dict(),
+            compile_config=compile_config,
+            max_new_tokens=shape.max_new_tokens,
+            min_new_tokens=min(WARMUP_FORWARDS, shape.max_new_tokens),
+        )
+
+
+@contextlib.contextmanager
+def explained_recompile_limit(num_shapes: int):
+    """Re-raise dynamo's recompile-limit failure of a warm-up with what it means here.
+
+    Every flexible model's forward is one function to dynamo (`FlexModelMixin.__call__`, which generate's
+    `compile_config` compiles), so the graphs compiled earlier in the process for other models, or for copies of this
+    one, count against the same `recompile_limit`: a warm-up that fits the limit alone can still reach it.
+    """
+    try:
+        yield
+    except torch._dynamo.exc.FailOnRecompileLimitHit as error:
+        limit = torch._dynamo.config.recompile_limit
+        raise RuntimeError(
+            f"dynamo's recompile limit ({limit} graphs of one function) was reached while compiling {num_shapes} "
+            "shapes: every flexible model's forward is one function to dynamo (FlexModelMixin.__call__), so the graphs "
+            "compiled earlier in this process for other models, or for copies of this one, count too. Set "
+            "torch._dynamo.config.recompile_limit and accumulated_recompile_limit to the graphs of all the models "
+            "this process compiles, or call torch._dynamo.reset() before warming up another model"
+        ) from error

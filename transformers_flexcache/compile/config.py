@@ -122,13 +122,14 @@ def compile_config_for_cpu(
             weight once: `OneRowLinears`), `"library"` (the `linear_kernels` above), or `"auto"`: inductor's where
             the CPU is not Intel's. On an AMD EPYC Zen 3 T5's step at batch 1 took 22 ms against oneDNN's 30.
         int8_linears (`str`, *optional*, defaults to `"auto"`): the int8 matrix multiplies of a model quantized with
-            `quantize(model, "int8")`: `"fbgemm"` (FBGEMM's int8 GEMMs, exact on 7-bit weights:
+            `quantize(model, "int8")`: `"fbgemm"` (FBGEMM's int8 GEMMs, exact on 7-bit weights, 8-bit with VNNI:
             `Int8FbgemmMatmuls`; decode steps of 1-2 rows as inductor's dot products, but their output layer),
             `"inductor"` (in graphs of at most 8 rows, decode steps, dot products that inductor generates:
             `Int8DotProducts`; in graphs of dynamic rows, the compiled encoder and projections, float32 GEMMs of
             the integers up to 128 positions a call: `Int8FloatGemms`; both exact), `"library"` (oneDNN's int8
-            kernels), or `"auto"`: where the CPU has no VNNI, where oneDNN's int8 kernels are slower than float32's,
-            FBGEMM's (inductor's where torch has no FBGEMM); elsewhere the library's.
+            kernels), or `"auto"`: FBGEMM's wherever torch has FBGEMM (x86 builds) and the CPU has no AMX; without
+            FBGEMM inductor's where the CPU has no VNNI, else the library's; on AMX CPUs the library's
+            (docs/compile.md, "Routes per CPU").
         decode_attention (`str`, *optional*, defaults to `"auto"`): the attention of a decode step (one query
             position, float32): `"inductor"` (written as products, sums and softmax that inductor generates and fuses:
             `compile.decode_attention.OneQueryAttention`), `"library"` (torch's flash attention kernel, one call per

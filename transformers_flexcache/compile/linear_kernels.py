@@ -22,9 +22,10 @@ Design decisions:
   weight once per row and loses (4 rows: 53 against 47 ms), so it is for one row only. `"auto"` applies it where
   the CPU is not Intel's; on Intel CPUs (MKL) it is not measured yet.
 - int8 (`quantize(model, "int8")`): on CPUs without VNNI oneDNN's int8 linears are 5-6x slower than float32's at a
-  few rows. `Int8FbgemmMatmuls` runs the int8 products on FBGEMM's int8 GEMMs instead, exact on 7-bit weights, and
-  `Int8DotProducts` with `Int8DotExpansion` those of decode steps of 1-2 rows as exact dot products that inductor
-  generates (`"fbgemm"`, which `"auto"` picks where the CPU has no VNNI). `"inductor"` runs the dot products up to 8
+  few rows, and with VNNI slower than FBGEMM's. `Int8FbgemmMatmuls` runs the int8 products on FBGEMM's int8 GEMMs
+  instead, exact on 7-bit weights (8-bit with VNNI), and `Int8DotProducts` with `Int8DotExpansion` those of decode
+  steps of 1-2 rows as exact dot products that inductor generates (`"fbgemm"`, which `"auto"` picks wherever torch
+  has FBGEMM and the CPU has no AMX). `"inductor"` runs the dot products up to 8
   rows and those of graphs of dynamic rows (the compiled encoder and cross-attention projections) as exact float32
   GEMMs of float copies of the weights, made once when the graph is frozen (`Int8FloatGemms`).
 """

@@ -4,6 +4,7 @@ Subcommands:
     bench        run a stream of generate calls under each cache strategy and compare time, memory and outputs
     bench-serve  an open-loop stream of requests against one-at-a-time, static batching, the in-flight engine and
                  CTranslate2: throughput and latency at several offered loads
+    bench-start  `serve --compile` started twice on one compile cache: seconds until each start answers
     export  export a saved checkpoint to one ExecuTorch .pte that serves every batch and length up to its capacities
     serve   an OpenAI-compatible HTTP server on the in-flight engine (completions, transcriptions, metrics)
 """
@@ -52,6 +53,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_serve.add_arguments(serve_bench_parser)
     serve_bench_parser.set_defaults(handler=bench_serve.run, subparser=serve_bench_parser)
+    from .bench import start as bench_start
+
+    start_bench_parser = subcommands.add_parser(
+        "bench-start",
+        help="start `serve --compile` twice on one compile cache and time each start until it answers",
+        description=(
+            "Save a real-sized random checkpoint of each model, start `serve --compile` on it in a new process, poll "
+            "/health and time the port, the end of the warm-up and the first answer; then start it again on the same "
+            "compile cache (--compile-cache of serve) and time the same. Prints the graphs each warm-up traced, "
+            "loaded and compiled; exit status 1 if the second start's tokens differ from the first's."
+        ),
+    )
+    bench_start.add_arguments(start_bench_parser)
+    start_bench_parser.set_defaults(handler=bench_start.run, subparser=start_bench_parser)
     from .export import cli as export_cli
 
     export_parser = subcommands.add_parser(

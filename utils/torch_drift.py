@@ -59,6 +59,9 @@ TORCH_NAMES: dict[str, TorchName] = {
     "torch._dynamo.config.patch": TorchName(
         "object", "compile/runtime.py: the bench raises the recompile limits for its run"
     ),
+    "torch._dynamo.config.specialize_float": TorchName(
+        "config", "the compiled encoder keeps its modules' float attributes constant (no retrace: compile/encoder.py)"
+    ),
     "torch._dynamo.exc.FailOnRecompileLimitHit": TorchName("object", "warmup() turns it into a ValueError"),
     "torch._dynamo.mark_static_address": TorchName(
         "object",
@@ -84,10 +87,11 @@ TORCH_NAMES: dict[str, TorchName] = {
     # --- inductor
     "torch._inductor.config.freezing": TorchName("config", "compile_config_for_cpu(): frozen, prepacked weights"),
     "torch._inductor.config.joint_custom_post_pass": TorchName(
-        "config", "the int8 passes that run before freezing (Int8FbgemmMatmuls, Int8DotProducts, Int8FloatGemms)"
+        "config",
+        "the passes that run before freezing (OneDNNLinears, Int8FbgemmMatmuls, Int8DotProducts, Int8FloatGemms)",
     ),
     "torch._inductor.config.post_grad_custom_post_pass": TorchName(
-        "config", "OneRowLinears, OneDNNLinears, Int8DotExpansion, OneQueryAttention after freezing"
+        "config", "OneRowLinears, Int8DotExpansion, OneQueryAttention after freezing"
     ),
     "torch._inductor.config.patch": TorchName("object", "trace-time inductor settings (padding.compile_settings)"),
     "torch._inductor.custom_graph_pass.CustomGraphPass": TorchName("object", f"the base class of {_PASSES}"),
@@ -95,13 +99,38 @@ TORCH_NAMES: dict[str, TorchName] = {
         "object", "each pass's cache key (uuid): the hash of the file that defines it", ("paths", "extra")
     ),
     "torch._inductor.runtime.cache_dir_utils.cache_dir": TorchName("object", "the bench reports inductor's cache"),
+    "torch._inductor.codecache.CacheabilityValidator.check_tensor": TorchName(
+        "object",
+        "compile/fx_cache.py lets the FX graph cache take frozen packed weights (it refuses mkldnn tensors here)",
+        ("t",),
+    ),
+    "torch._inductor.codecache.FxGraphCachePickler._reduce_tensor": TorchName(
+        "object",
+        "compile/fx_cache.py keys frozen packed weights by their sizes, as other frozen constants",
+        ("self", "t"),
+    ),
+    "torch._inductor.codecache._ident": TorchName(
+        "object", "the FX cache key's reducer of frozen constants (fx_cache.py)"
+    ),
+    "torch._inductor.freezing_utils.is_frozen_param": TorchName(
+        "object", "fx_cache.py tells frozen packed weights from other mkldnn tensors", ("t",)
+    ),
+    "torch._inductor.runtime.cache_dir_utils.temporary_cache_dir": TorchName(
+        "object", "warm_start.py points inductor's on-disk cache at the compile cache entry", ("directory",)
+    ),
+    "torch.compiler._cache.CacheArtifactManager.with_fresh_cache": TorchName(
+        "object", "warm_start.py saves the artifacts of one entry's compiles alone"
+    ),
+    "torch._guards.TracingContext.try_get": TorchName(
+        "object", "OneDNNLinears finds the parameters that freezing makes constants (params_flat, fw_metadata)"
+    ),
     "torch._prims_common.make_contiguous_strides_for": TorchName(
         "object", "OneRowLinears stores its input contiguously", ("shape",)
     ),
     # --- operators our passes match or emit
     "torch.ops.mkl._mkl_linear.default": TorchName(
         "op",
-        "frozen fp32 linears that OneRowLinears and OneDNNLinears replace",
+        "frozen fp32 linears of one row that OneRowLinears replaces",
         ("X", "MKL_W", "ORI_W", "B", "batch_size"),
     ),
     "torch.ops.mkldnn._reorder_linear_weight.default": TorchName(
@@ -109,6 +138,10 @@ TORCH_NAMES: dict[str, TorchName] = {
     ),
     "torch.ops.mkldnn._linear_pointwise.default": TorchName(
         "op", "OneDNNLinears' oneDNN linear", ("X", "W", "B", "attr", "scalars", "algorithm")
+    ),
+    "torch.ops.aten.mm.default": TorchName("op", "the fp32 linears OneDNNLinears matches", ("self", "mat2")),
+    "torch.ops.aten.addmm.default": TorchName(
+        "op", "the fp32 linears with a bias OneDNNLinears matches", ("self", "mat1", "mat2")
     ),
     "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default": TorchName(
         "op",

@@ -66,11 +66,12 @@ def test_compile_config_for_cpu_freezes_weights_without_dynamic_shapes_and_compi
     assert options == {"freezing": True, "cpp_wrapper": True}
 
 
-def test_onednn_linear_kernels_are_an_inductor_post_grad_pass_and_configs_with_it_compare_equal():
+def test_onednn_linear_kernels_are_a_pass_before_freezing_and_configs_with_it_compare_equal():
+    # before freezing: the packed copies are then frozen constants of the graph inductor's FX graph cache keys on
     config = compile_config_for_cpu(
         linear_kernels="onednn", one_row_linears="library", int8_linears="library", decode_attention="library"
     )
-    assert config.options == {"freezing": True, "post_grad_custom_post_pass": (OneDNNLinears(),)}
+    assert config.options == {"freezing": True, "joint_custom_post_pass": (OneDNNLinears(one_row=True),)}
     # upstream's generate keeps its compiled call while the config compares equal
     assert (
         compile_config_for_cpu(
@@ -78,14 +79,15 @@ def test_onednn_linear_kernels_are_an_inductor_post_grad_pass_and_configs_with_i
         )
         == config
     )
-    assert OneDNNLinears().uuid() == OneDNNLinears().uuid()
+    assert OneDNNLinears().uuid() == OneDNNLinears().uuid() != OneDNNLinears(one_row=False).uuid()
 
 
 def test_one_row_linears_run_first_and_each_pass_keys_inductor_s_cache_apart():
     config = compile_config_for_cpu(
         linear_kernels="onednn", one_row_linears="inductor", int8_linears="library", decode_attention="library"
     )
-    assert config.options["post_grad_custom_post_pass"] == (OneRowLinears(), OneDNNLinears())
+    assert config.options["post_grad_custom_post_pass"] == (OneRowLinears(),)
+    assert config.options["joint_custom_post_pass"] == (OneDNNLinears(one_row=False),)  # one row: OneRowLinears'
     assert (
         compile_config_for_cpu(
             linear_kernels="onednn", one_row_linears="inductor", int8_linears="library", decode_attention="library"
@@ -112,8 +114,12 @@ def test_int8_dot_products_are_marked_before_freezing_and_expanded_first_after_i
     config = compile_config_for_cpu(
         linear_kernels="onednn", one_row_linears="inductor", int8_linears="inductor", decode_attention="library"
     )
-    assert config.options["joint_custom_post_pass"] == (Int8DotProducts(), Int8FloatGemms())
-    assert config.options["post_grad_custom_post_pass"] == (Int8DotExpansion(), OneRowLinears(), OneDNNLinears())
+    assert config.options["joint_custom_post_pass"] == (
+        Int8DotProducts(),
+        Int8FloatGemms(),
+        OneDNNLinears(one_row=False),
+    )
+    assert config.options["post_grad_custom_post_pass"] == (Int8DotExpansion(), OneRowLinears())
     assert (
         compile_config_for_cpu(
             linear_kernels="onednn", one_row_linears="inductor", int8_linears="inductor", decode_attention="library"
@@ -128,8 +134,12 @@ def test_fbgemm_int8_linears_are_marked_before_freezing_with_dot_products_for_fe
     config = compile_config_for_cpu(
         linear_kernels="onednn", one_row_linears="inductor", int8_linears="fbgemm", decode_attention="library"
     )
-    assert config.options["joint_custom_post_pass"] == (Int8FbgemmMatmuls(), Int8DotProducts())
-    assert config.options["post_grad_custom_post_pass"] == (Int8DotExpansion(), OneRowLinears(), OneDNNLinears())
+    assert config.options["joint_custom_post_pass"] == (
+        Int8FbgemmMatmuls(),
+        Int8DotProducts(),
+        OneDNNLinears(one_row=False),
+    )
+    assert config.options["post_grad_custom_post_pass"] == (Int8DotExpansion(), OneRowLinears())
     assert len({Int8FbgemmMatmuls().uuid(), Int8DotProducts().uuid()}) == 2
 
 
@@ -150,7 +160,7 @@ def test_auto_int8_linears_are_fbgemm_s_where_torch_has_fbgemm_and_the_cpu_no_am
     monkeypatch.setattr(linear_kernels, "has_fbgemm", lambda: fbgemm)
     with cpu.forced(**facts):
         assert linear_kernels.resolve_int8_linears("auto") == expected
-        passes = compile_config_for_cpu().options.get("joint_custom_post_pass")
+        passes = compile_config_for_cpu(linear_kernels="mkl").options.get("joint_custom_post_pass")
     assert (
         passes
         == {
@@ -180,7 +190,7 @@ def test_auto_linear_kernels_are_mkl_on_intel_cpus_only_as_ctranslate2_chooses(v
     with cpu.forced(vendor=vendor):
         assert linear_kernels.resolve_linear_kernels("auto") == expected
         options = compile_config_for_cpu(decode_attention="library", int8_linears="library").options  # no int8 pass
-    assert ("post_grad_custom_post_pass" in options) == (expected == "onednn")
+    assert ("joint_custom_post_pass" in options) == (expected == "onednn")
 
 
 def test_unknown_linear_kernels_are_refused_with_the_choices():

@@ -125,7 +125,8 @@ def test_a_compiled_server_warms_up_every_bucket_and_answers_with_generates_toke
         buckets={"max_batch_size": [1], "max_cache_len": [16], "max_encoder_len": [16]},
     )
     model, tokenizer, processor = cli.load_checkpoint(str(tmp_path))
-    engine = cli.build_engine(args, model, tokenizer)  # compiles 2 decode shapes
+    engine = cli.build_engine(args, model, tokenizer)
+    engine.warmup()  # 2 decode shapes (the command does it once its port is open: test_warm_start.py)
     from transformers_flexcache.server.app import create_app
 
     app = create_app(engine, tokenizer=tokenizer, processor=processor, model_name="tiny")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -108,6 +109,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(TORCHINDUCTOR_CACHE_DIR, else a folder under the temp dir), as a server restarted on the machine would "
         "find it. The header says how many files it held at the start",
     )
+    parser.add_argument(
+        "--compile-cache",
+        metavar="DIR|none",
+        help="where compiled graphs are kept between runs (compile/warm_start.py: one entry per model and settings, "
+        "keyed by versions and CPU too): a second run loads them instead of compiling, and the compile column shows "
+        "it; `none` for no such folder (inductor's cache as --inductor-cache says). Default: "
+        "~/.cache/transformers-flexcache/compile (under $XDG_CACHE_HOME), or none with --inductor-cache",
+    )
     parser.add_argument("--no-ctranslate2", action="store_true", help="skip the CTranslate2 row for T5 and Marian")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
@@ -121,6 +130,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 INDUCTOR_CACHE_NEW = "new"
+COMPILE_CACHE_NONE = "none"
+
+
+def compile_cache_root(args) -> str | None:
+    """The compile cache folder of the run: `--compile-cache`, the default one, or None (`none`, or
+    `--inductor-cache` given alone)."""
+    from ..compile.warm_start import default_cache_dir
+
+    if args.compile_cache is None:
+        return None if args.inductor_cache is not None else str(default_cache_dir())
+    return None if args.compile_cache.lower() == COMPILE_CACHE_NONE else args.compile_cache
+
+
+def _model_compile_cache(root: str | None, model, args):
+    """The compile cache entry of one model's run (`compile.warm_start.compile_cache`), or a null context."""
+    if root is None:
+        return contextlib.nullcontext()
+    from ..compile.warm_start import compile_cache
+
+    settings = ("model", "quick", "dtype", "device", "calls", "min_length", "max_length", "new_tokens", "seed")
+    facts = {"bench": {"name": model.name, **{key: getattr(args, key) for key in settings}}}
+    facts["bench"]["max_batch_size"] = args.max_batch_size
+    return compile_cache(root, facts)
 
 
 def inductor_cache_state(*, fresh: bool) -> dict:
@@ -156,6 +188,11 @@ def _resolve(args, parser: argparse.ArgumentParser) -> tuple[list[BenchModel], l
         parser.error(
             "--dtype bfloat16 needs a CPU with native bf16 (AVX512-BF16 or AMX): this one would emulate it "
             f"({cpu_facts().describe()}); use --dtype float32"
+        )
+    if args.compile_cache is not None and args.inductor_cache is not None:
+        parser.error(
+            "--compile-cache keeps inductor's cache in its own folder: pass it or --inductor-cache, not both "
+            "(--compile-cache none --inductor-cache new measures a first start)"
         )
     if args.dtype == "float16" and args.device == "cpu":
         parser.error("--dtype float16 is for GPUs; on CPU use bfloat16 (where supported) or float32")
@@ -233,6 +270,8 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     machine = machine_info(args.threads)
     machine["read_bandwidth_bytes_per_s"] = args.bandwidth
     machine["inductor_cache"] = inductor_cache_state(fresh=fresh_cache)
+    root = compile_cache_root(args)
+    machine["compile_cache"] = root
     print(format_header(machine, args))
     results = []
     started = time.perf_counter()
@@ -245,7 +284,10 @@ def run(args, parser: argparse.ArgumentParser) -> int:
             _executorch_threads(selected, args.threads),
         ):
             for model in models:
-                results.append(run_model(model, args, selected, log))
+                with _model_compile_cache(root, model, args) as warm_start:
+                    result = run_model(model, args, selected, log)
+                result.compile_cache = dataclasses.asdict(warm_start) if warm_start is not None else None
+                results.append(result)
                 report = to_json(results, args=args, machine=machine, elapsed_s=time.perf_counter() - started)
                 print(format_model(model.name, report["models"][model.name], bandwidth=args.bandwidth), flush=True)
                 if args.json:  # written after each model, so that an interrupted run keeps what it measured

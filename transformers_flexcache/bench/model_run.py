@@ -77,6 +77,7 @@ class ModelResult:
     gc: dict = field(
         default_factory=dict
     )  # the collector during the timed stream (`compile.gc_heap.Collections.summary`)
+    compile_cache: dict | None = None  # what the run found in the compile cache (`compile.warm_start.WarmStart`)
 
     def reference_of(self, name: str) -> str:
         return self.references.get(name, BASELINE)

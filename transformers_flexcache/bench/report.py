@@ -118,6 +118,7 @@ def _model_json(result) -> dict:
         "int8_floor_step_ms": result.int8_floor_step_ms,
         "logits_error": result.logits_error,
         "gc": result.gc,
+        "compile_cache": result.compile_cache,
         "new_tokens": result.new_tokens,
         "reference_distinct_tokens_per_row": _distinct_tokens_per_row(result),
         "stream": _stream_json(result),
@@ -499,7 +500,11 @@ def format_header(machine: dict, args) -> str:
         + _isa_line(machine)
         + f"torch {machine['torch']}, transformers {machine['transformers']}; load average {_load(machine)}"
         + (f"; read bandwidth {bandwidth / 1e9:.1f} GB/s" if bandwidth else "")
-        + _inductor_cache_line(machine.get("inductor_cache"))
+        + (
+            f"\ncompile cache: {machine['compile_cache']} (per model: graphs loaded and compiled)"
+            if machine.get("compile_cache")
+            else _inductor_cache_line(machine.get("inductor_cache"))
+        )
     )
 
 
@@ -557,6 +562,8 @@ def format_model(name: str, model: dict, *, bandwidth: float | None = None) -> s
         lines += ["  " + line for line in _logits_lines(model)]
         if model.get("gc"):
             lines += _wrapped("", [gc_line(model["gc"])])
+        if model.get("compile_cache"):
+            lines += _wrapped("", [compile_cache_line(model["compile_cache"])])
     if model["strategies"]:
         tables = (_time_table, _step_table, _batch_tables, _forward_table, _memory_table, _executorch_table)
         for table in tables:
@@ -567,6 +574,16 @@ def format_model(name: str, model: dict, *, bandwidth: float | None = None) -> s
     lines += _wrapped("note: ", model["notes"] + _score_notes(model) + _difference_notes(model))
     lines += _wrapped("FAILED: ", model["failures"])
     return "\n".join(lines)
+
+
+def compile_cache_line(figures: dict) -> str:
+    """What the model's run found in the compile cache and did (`compile.warm_start.WarmStart`'s fields)."""
+    found = {"warm": "warm", "cold": "empty", "discarded": f"discarded ({figures.get('reason')})"}[figures["found"]]
+    line = (
+        f"compile cache: {found}; {figures['hits']} graphs loaded, {figures['misses']} compiled "
+        f"({figures['directory']})"
+    )
+    return line + (f"; {figures['bypasses']} not cacheable" if figures.get("bypasses") else "")
 
 
 def gc_line(figures: dict, during: str = "the stream") -> str:

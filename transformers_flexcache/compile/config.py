@@ -23,7 +23,8 @@ Design decisions:
   beside the model's parameters.
 - `FlexCompileConfig` is upstream's `CompileConfig` plus what a flexible call's plug-ins read (`compile_encoder`,
   `step_guards`); `compile_settings` puts the inductor settings that dynamo reads while tracing in force around a
-  call (`hooks.CompileHooks.call_context`).
+  call (`hooks.CompileHooks.call_context`), and with freezing lets inductor's FX graph cache take frozen graphs
+  (`fx_cache.packed_weights_cacheable`), so that a second process loads what a first one compiled.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch
 from transformers import CompileConfig
 
 from .decode_attention import OneQueryAttention, resolve_decode_attention
+from .fx_cache import packed_weights_cacheable
 from .linear_kernels import (
     Int8DotExpansion,
     Int8DotProducts,
@@ -95,7 +97,9 @@ def compile_settings(compile_config: CompileConfig | None):
     if not patch:
         yield
         return
-    with torch._inductor.config.patch(patch):
+    # frozen graphs hold packed weights, which inductor's FX graph cache then takes (compile/fx_cache.py)
+    cacheable = packed_weights_cacheable() if patch.get("freezing") else contextlib.nullcontext()
+    with torch._inductor.config.patch(patch), cacheable:
         yield
 
 
@@ -164,21 +168,24 @@ def compile_config_for_cpu(
     ... )
     ```
     """
-    passes = []  # one-row linears first: `OneDNNLinears` repacks whichever MKL linears are left
+    joint_passes, passes = [], []  # before freezing; after it
     kernel_options = {}
     int8_kernels = resolve_int8_linears(int8_linears)
     if int8_kernels == "fbgemm":  # before freezing, which would make them oneDNN's; one row: dot products
-        kernel_options["joint_custom_post_pass"] = (Int8FbgemmMatmuls(), Int8DotProducts())
+        joint_passes += [Int8FbgemmMatmuls(), Int8DotProducts()]
         passes.append(Int8DotExpansion())
     elif int8_kernels == "inductor":  # marked before freezing, expanded after
-        kernel_options["joint_custom_post_pass"] = (Int8DotProducts(), Int8FloatGemms())
+        joint_passes += [Int8DotProducts(), Int8FloatGemms()]
         passes.append(Int8DotExpansion())
-    if resolve_one_row_linears(one_row_linears) == "inductor":
+    one_row = resolve_one_row_linears(one_row_linears) == "inductor"
+    if one_row:
         passes.append(OneRowLinears())
-    if resolve_linear_kernels(linear_kernels) == "onednn":
-        passes.append(OneDNNLinears())
+    if resolve_linear_kernels(linear_kernels) == "onednn":  # one-row linears left to OneRowLinears where it runs
+        joint_passes.append(OneDNNLinears(one_row=not one_row))
     if resolve_decode_attention(decode_attention) == "inductor":
         passes.append(OneQueryAttention())
+    if joint_passes:
+        kernel_options["joint_custom_post_pass"] = tuple(joint_passes)
     if passes:
         kernel_options["post_grad_custom_post_pass"] = tuple(passes)
     config = FlexCompileConfig(

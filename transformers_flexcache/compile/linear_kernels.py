@@ -206,36 +206,107 @@ class SharedOneDNNWeights:
 ONEDNN_WEIGHTS = SharedOneDNNWeights()
 
 
-class OneDNNLinears(CustomGraphPass):
-    """Inductor post-grad pass: every MKL-packed frozen linear (`mkl._mkl_linear`) becomes oneDNN's
-    (`mkldnn._linear_pointwise`) on the same weight, repacked for oneDNN at compile time, one copy per weight for all
-    graphs (`SharedOneDNNWeights`).
+# The package's ops that are plain library ops (a CPU kernel and a fake), not `torch.library.custom_op`s.
+_LIBRARY = torch.library.Library("transformers_flexcache", "FRAGMENT")
 
-    All instances are equal, so that two `compile_config_for_cpu()` configs compare equal (upstream's generate keeps
-    its compiled call while the config does not change).
+
+def _onednn_packed_weight(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """`transformers_flexcache::onednn_packed_weight`: oneDNN's packed copy of a linear's `weight` ([N, K]) for
+    `rows` rows (0: any number), the one copy shared by every graph (`SharedOneDNNWeights`). Freezing folds it into a
+    constant of the graph (`OneDNNLinears`)."""
+    return ONEDNN_WEIGHTS.packed(weight, rows or None)
+
+
+_LIBRARY.define("onednn_packed_weight(Tensor weight, int rows) -> Tensor")
+_LIBRARY.impl("onednn_packed_weight", _onednn_packed_weight, "CPU")
+
+
+@torch.library.register_fake("transformers_flexcache::onednn_packed_weight")
+def _(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.empty_like(weight)  # oneDNN's copy has the weight's sizes (its layout is its own)
+
+
+onednn_packed_weight = torch.ops.transformers_flexcache.onednn_packed_weight.default
+
+
+class OneDNNLinears(CustomGraphPass):
+    """Inductor joint-graph pass (before freezing): every fp32 linear on a parameter (`aten.mm(x [M, K], permute(w
+    [N, K], [1, 0]))`, `aten.addmm(b, x, permute(w, [1, 0]))`) becomes oneDNN's (`mkldnn._linear_pointwise`) on
+    `onednn_packed_weight(w, M)`, which freezing folds into a constant: oneDNN's packed copy, one per weight for all
+    graphs (`SharedOneDNNWeights`). Linears of one static row are left to `OneRowLinears` where `one_row` says it
+    takes them (inductor packs those for MKL, as it packs every linear it is given).
+
+    Before freezing, not after (torch==2.13.0: inductor's own packing, `mkldnn_fusion.py`, would pack them for MKL
+    first): so the frozen graph that inductor's FX graph cache keys on already holds the packed copies as frozen
+    constants, which the cache keys by their sizes and takes from the graph at a hit (`compile.fx_cache`); a pass
+    after freezing adds constants that a hit never makes.
+
+    Instances with the same `one_row` are equal, so that two `compile_config_for_cpu()` configs compare equal
+    (upstream's generate keeps its compiled call while the config does not change).
     """
 
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        module = graph.owning_module
-        replaced = set()
-        for node, (inputs, packed, weight, bias, batch_size) in _frozen_mkl_linears(graph):
-            name = f"{weight.target}_onednn"
-            if not hasattr(module, name):
-                module.register_buffer(name, ONEDNN_WEIGHTS.packed(getattr(module, weight.target), batch_size))
-            with graph.inserting_before(node):
-                onednn_weight = graph.get_attr(name)
-                linear = graph.call_function(
-                    torch.ops.mkldnn._linear_pointwise.default, (inputs, onednn_weight, bias, "none", [], "")
-                )
-            linear.meta.update(node.meta)
-            node.replace_all_uses_with(linear)
-            graph.erase_node(node)
-            replaced.update((packed.target, weight.target))
-        _free_unused(graph, replaced)
+    def __init__(self, *, one_row: bool = True):
+        self.one_row = one_row
 
-    uuid = _uuid
-    __eq__ = _same_type
-    __hash__ = _type_hash
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        weights = _parameter_placeholders(graph)
+        for node in list(graph.nodes):
+            matched = _fp32_linear(node, weights)
+            if matched is None:
+                continue
+            inputs, weight, bias = matched
+            rows = inputs.meta["val"].shape[0]
+            if rows == 1 and not self.one_row:
+                continue
+            fake_mode = torch._guards.detect_fake_mode([inputs.meta["val"]])
+            packed_rows = rows if isinstance(rows, int) else 0
+            with graph.inserting_before(node):
+                packed = _call(graph, fake_mode, onednn_packed_weight, weight, packed_rows)
+            linear = torch.ops.mkldnn._linear_pointwise.default
+            _replace(graph, node, _call, graph, fake_mode, linear, inputs, packed, bias, "none", [], "")
+
+    def uuid(self) -> str:
+        return f"{_uuid(self)}-{self.one_row}"
+
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self) and other.one_row == self.one_row
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.one_row))
+
+
+def _parameter_placeholders(graph: torch.fx.Graph) -> set:
+    """The placeholders of `graph` that freezing makes constants: the parameters and buffers that AOT autograd lifted
+    (the first inputs, `TracingContext.params_flat`), not mutated; empty outside a compile."""
+    context = torch._guards.TracingContext.try_get()
+    params = getattr(context, "params_flat", None) if context is not None else None
+    if not params:
+        return set()
+    placeholders = graph.find_nodes(op="placeholder")[: len(params)]
+    metadata = getattr(context, "fw_metadata", None)
+    mutated = set(getattr(metadata, "mutated_inp_runtime_indices", None) or ())
+    return {node for index, node in enumerate(placeholders) if index not in mutated}
+
+
+def _fp32_linear(node: torch.fx.Node, weights: set):
+    """`(x, w, b or None)` where `node` is `aten.mm(x [M, K], permute(w, [1, 0]))` or `aten.addmm(b [N], x,
+    permute(w, [1, 0]))` (no scaling) on float32 tensors with `w` [N, K] among `weights`; None otherwise."""
+    if node.target is torch.ops.aten.mm.default and not node.kwargs:
+        bias, (inputs, transposed) = None, node.args
+    elif node.target is torch.ops.aten.addmm.default and not node.kwargs:
+        bias, inputs, transposed = node.args
+        if not isinstance(bias, torch.fx.Node) or bias.meta["val"].dim() != 1:
+            return None
+    else:
+        return None
+    if transposed.target is not torch.ops.aten.permute.default or list(transposed.args[1]) != [1, 0]:
+        return None
+    weight = transposed.args[0]
+    if weight not in weights or inputs.meta["val"].dtype != torch.float32:
+        return None
+    if weight.meta["val"].dtype != torch.float32 or weight.meta["val"].dim() != 2:
+        return None
+    return inputs, weight, bias
 
 
 class OneRowLinears(CustomGraphPass):
@@ -417,7 +488,6 @@ def _fbgemm_linear():
 
 # Registered as a plain library op (a CPU kernel and a fake): a `torch.library.custom_op` took 40 us more a call
 # (98 against 58 us for one row of 512 x 512, FBGEMM's own 34), 2 ms of a decode step's 49 int8 linears.
-_LIBRARY = torch.library.Library("transformers_flexcache", "FRAGMENT")
 _LIBRARY.define("int8_fbgemm_mm(Tensor inputs, Tensor weight, int zero_point, ScalarType out_dtype) -> Tensor")
 _LIBRARY.impl("int8_fbgemm_mm", _int8_fbgemm_mm, "CPU")
 

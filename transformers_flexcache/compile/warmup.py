@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+from collections.abc import Callable
 
 import torch
 from transformers import CompileConfig
@@ -19,6 +21,7 @@ from ..cache import CacheConfig
 from ..generate.policies import POLICIES
 from ..generate.request import FLEXIBLE_STATIC
 from .encoder import encoder_graph, encoder_warmup_calls, has_int8_variants
+from .warm_start import compile_cache, model_facts
 
 # Forwards of each warm-up call: the first, one decode step that compiles, one that records CUDA graphs.
 WARMUP_FORWARDS = 3
@@ -48,6 +51,8 @@ def warmup(
     max_new_tokens: int,
     cache_config,
     compile_config: CompileConfig | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    progress: Callable[[int, int], None] | None = None,
     **generate_kwargs,
 ) -> list:
     """Compile every graph that calls under a fixed-shape `cache_config` can need, before serving any of them.
@@ -68,6 +73,12 @@ def warmup(
             its capacities set.
         compile_config (`CompileConfig`, *optional*): what the served calls pass; None when `model.forward` is
             compiled already.
+        cache_dir (`str | os.PathLike`, *optional*): a compile cache folder (`compile/warm_start.py`, whose
+            `default_cache_dir()` is the user's): the graphs that an earlier process compiled for this model, shapes,
+            settings, versions and CPU are loaded instead of compiled, and this warm-up's are written back. None:
+            inductor's own cache only.
+        progress (`Callable[[int, int], None]`, *optional*): called with (calls done, calls in all) before the first
+            warm-up call and after each.
         **generate_kwargs: other arguments the served calls pass (`num_beams` changes the rows per input).
 
     Run it as the served calls run: dynamo guards on the grad mode, so served calls under `torch.inference_mode()`
@@ -103,12 +114,30 @@ def warmup(
             f"the calls of the others eagerly; set torch._dynamo.config.recompile_limit = {len(shapes)} (or more) "
             'first, or list fewer sizes in cache_config["buckets"]'
         )
-    with explained_recompile_limit(len(shapes)):
-        _run_shapes(model, make_inputs, shapes, config, compile_config, generate_kwargs)
-        _run_shapes(
-            model, make_inputs, _encoder_shapes(model, shapes, compile_config), config, compile_config, generate_kwargs
-        )
+    calls = shapes + _encoder_shapes(model, shapes, compile_config)
+    cache = contextlib.nullcontext()
+    if cache_dir is not None:
+        facts = {
+            "model": model_facts(model, compile_config),
+            "warmup": {
+                "calls": [dataclasses.asdict(call) for call in calls],
+                "cache_config": config.to_dict(),
+                "generate_kwargs": _settings_of(generate_kwargs),
+            },
+        }
+        cache = compile_cache(cache_dir, facts)
+    with explained_recompile_limit(len(shapes)), cache:
+        _run_shapes(model, make_inputs, calls, config, compile_config, generate_kwargs, progress)
     return shapes
+
+
+def _settings_of(generate_kwargs: dict) -> dict:
+    """The plain settings among `generate_kwargs` (a compile cache key holds them; tensors and objects are left out)."""
+    return {
+        key: value
+        for key, value in sorted(generate_kwargs.items())
+        if value is None or isinstance(value, (bool, int, float, str))
+    }
 
 
 def _encoder_shapes(model, shapes: list, compile_config) -> list:
@@ -134,8 +163,10 @@ def _encoder_shapes(model, shapes: list, compile_config) -> list:
     ]
 
 
-def _run_shapes(model, make_inputs, shapes, config, compile_config, generate_kwargs: dict) -> None:
-    for shape in shapes:
+def _run_shapes(model, make_inputs, shapes, config, compile_config, generate_kwargs: dict, progress=None) -> None:
+    if progress is not None:
+        progress(0, len(shapes))
+    for done, shape in enumerate(shapes, start=1):
         stopping = StoppingCriteriaList(
             [*(generate_kwargs.get("stopping_criteria") or []), StopAfterSteps(WARMUP_FORWARDS)]
         )
@@ -148,6 +179,8 @@ def _run_shapes(model, make_inputs, shapes, config, compile_config, generate_kwa
             max_new_tokens=shape.max_new_tokens,
             min_new_tokens=min(WARMUP_FORWARDS, shape.max_new_tokens),
         )
+        if progress is not None:
+            progress(done, len(shapes))
 
 
 @contextlib.contextmanager

@@ -13,6 +13,8 @@ Design decisions:
   with which `generate` refuses arguments), and the engine serves the others on.
 - Shutdown: `ServedModel.draining` (set on SIGTERM by the command) answers new requests 503 while running ones
   finish; the application's lifespan ends by closing the engine with `drain=True`.
+- A compiled engine warms up after the port opens (`warmup.py`): `/health` answers 503 `"warming"` with the graphs
+  done and in all, requests 503 `warming_up` with `Retry-After`, until it is done.
 """
 
 from __future__ import annotations
@@ -56,8 +58,9 @@ class ServedModel:
         model_name (`str`): the name requests give as `model`.
     """
 
-    def __init__(self, engine, *, tokenizer, processor=None, model_name: str):
+    def __init__(self, engine, *, tokenizer, processor=None, model_name: str, warmup=None):
         self.engine = engine
+        self.warmup = warmup  # `server.warmup.Warmup`, or None for an engine that needs none
         self.tokenizer = tokenizer
         self.processor = processor
         self.model_name = model_name
@@ -76,11 +79,14 @@ class ServedModel:
 
     # --- checks every route makes -----------------------------------------------------------------------------
     def check_request(self, model: str | None, *, route: str, needs: str) -> None:
-        """Refuse a request to a draining server, for another model, or of a kind this model does not take."""
+        """Refuse a request to a draining or warming server, for another model, or of a kind this model does not
+        take."""
         if self.draining:
             raise APIError(
                 503, "the server is shutting down: it takes no new requests", type="server_error", code="shutting_down"
             )
+        if self.warmup is not None and not self.warmup.ready:
+            raise self.not_warm()
         if model is not None and model != self.model_name:
             raise self.model_not_found(model)
         takes = {"text": self.takes_text, "audio": self.takes_audio}
@@ -91,6 +97,25 @@ class ServedModel:
                 f"{self.model_name} ({self.model_class}) does not take {needs}: {route} is not served; send "
                 f"requests to {other}",
             )
+
+    def not_warm(self) -> APIError:
+        """503 while the graphs compile (`Retry-After`: the graphs left at the pace so far), or after a failed
+        warm-up."""
+        warmup = self.warmup
+        if warmup.state == "failed":
+            return APIError(
+                503, f"the server's warm-up failed ({warmup.body()['error']}): it cannot serve", type="server_error"
+            )
+        seconds = warmup.retry_after()
+        total = "?" if warmup.total is None else warmup.total
+        return APIError(
+            503,
+            f"the server is compiling its graphs ({warmup.done} of {total} done, {warmup.elapsed:.0f} s so far): "
+            f"retry after {seconds} s (GET /health says when it is ready)",
+            type="server_error",
+            code="warming_up",
+            headers={"Retry-After": str(seconds)},
+        )
 
     def model_not_found(self, model: str) -> APIError:
         return APIError(
@@ -181,16 +206,19 @@ def capacity_error(error: CapacityError, hints: dict[str, tuple[str, str]]) -> A
     return APIError(400, "; ".join(parts), param=param, code="context_length_exceeded" if lengths else None)
 
 
-def create_app(engine, *, tokenizer, processor=None, model_name: str) -> FastAPI:
+def create_app(engine, *, tokenizer, processor=None, model_name: str, warmup=None) -> FastAPI:
     """The OpenAI-compatible application on `engine` (see the module docstring); it closes the engine, draining
-    it, when it shuts down."""
+    it, when it shuts down. With `warmup` (`server.warmup.Warmup`) it starts the engine's warm-up once the port is
+    open, answers `/health` with its progress and refuses requests (503) until it is done."""
     from .completions import router as completions_router
     from .transcriptions import router as transcriptions_router
 
-    served = ServedModel(engine, tokenizer=tokenizer, processor=processor, model_name=model_name)
+    served = ServedModel(engine, tokenizer=tokenizer, processor=processor, model_name=model_name, warmup=warmup)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        if warmup is not None:
+            warmup.start()
         yield
         served.draining = True
         await asyncio.to_thread(engine.close, drain=True)
@@ -229,15 +257,20 @@ def create_app(engine, *, tokenizer, processor=None, model_name: str) -> FastAPI
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        status = "draining" if served.draining else "ok"
+        if warmup is not None and not warmup.ready and not served.draining:
+            status = "warming" if warmup.state in ("pending", "warming") else "failed"
         body = {
-            "status": "draining" if served.draining else "ok",
+            "status": status,
             "model": served.model_name,
             "seats_in_use": engine.seats_in_use,
             "max_batch_size": engine.max_batch_size,
             "running": engine.num_running,
             "queued": engine.num_queued,
         }
-        return JSONResponse(body, status_code=503 if served.draining else 200)
+        if warmup is not None:
+            body["warmup"] = warmup.body()
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

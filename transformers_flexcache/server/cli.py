@@ -7,9 +7,14 @@ Design decisions:
 - Capacities: 8 seats; `max_cache_len` and `max_encoder_len` default to 512 positions, capped by the positions the
   model's config states (a learned position table); Whisper's encoder length is its own (`max_source_positions`).
   Memory is allocated once, when the engine is built.
-- `--compile`: the bucketed shape policy, `compile_config_for_cpu()`, and `Engine.warmup()` before the port opens, so
-  that no request pays a compile; each combination of buckets is one graph. Without `--buckets`, the engine's
-  default buckets (`serving/buckets.py`: one seat and half the seats, half of each length; 12 graphs at most).
+- `--compile`: the bucketed shape policy, `compile_config_for_cpu()`, and `Engine.warmup()` once the port is open
+  (`warmup.py`: `/health` says `"warming"` with the graphs done, requests get 503 until it ends, and a progress bar
+  counts the graphs on the terminal), so that no request pays a compile; each combination of buckets is one graph.
+  Without `--buckets`, the engine's default buckets (`serving/buckets.py`: one seat and half the seats, half of each
+  length; 12 graphs at most).
+- `--compile-cache DIR` (default: the user's cache directory, `compile.warm_start.default_cache_dir()`; `none` for
+  none): the graphs compiled by an earlier start with the same model, shapes, settings, versions and CPU are loaded
+  instead of compiled, and a first start's are written there (`compile/warm_start.py`).
 - Once the engine is built and warmed up, the garbage collector's heap is frozen (`compile.gc_heap.freeze_heap`, as vLLM
   does after its start): a full collection would otherwise walk the compiled graphs and the model (0.1-1 s on the
   benchmark's CPU) while requests wait. Objects made while serving are still collected.
@@ -23,7 +28,7 @@ import argparse
 import json
 import signal
 import sys
-import time
+import threading
 
 from ..compile.gc_heap import freeze_heap
 from ..serving.buckets import default_buckets
@@ -77,6 +82,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         '"max_cache_len": [64]}\' (the capacity is always the last; default: one seat and half the seats, half of '
         "each length)",
     )
+    parser.add_argument(
+        "--compile-cache",
+        metavar="DIR",
+        help="with --compile: where compiled graphs are kept between starts, keyed by model, shapes, settings, "
+        "versions and CPU; 'none' for no such folder (default: ~/.cache/transformers-flexcache/compile, or under "
+        "$XDG_CACHE_HOME)",
+    )
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     parser.add_argument("--served-model-name", help="the model's name in the API (default: PATH as given)")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="uvicorn's (default: %(default)s)")
@@ -90,6 +102,8 @@ def _check_arguments(args) -> None:
             raise CommandError(f"{name}={value} must be a positive int{' up to 65535' if flag == 'port' else ''}")
     if args.buckets is not None and not args.compile:
         raise CommandError("--buckets sets the compiled shapes: pass --compile with it, or leave it out")
+    if args.compile_cache is not None and not args.compile:
+        raise CommandError("--compile-cache keeps compiled graphs: pass --compile with it, or leave it out")
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401
@@ -171,8 +185,19 @@ def engine_cache_config(args, config) -> dict:
     return cache_config
 
 
+def compile_cache_dir(args):
+    """The compile cache folder of the flags: `--compile-cache`, the default one, or None (`none`, or no
+    `--compile`)."""
+    from ..compile.warm_start import default_cache_dir
+
+    if not args.compile or (args.compile_cache or "").lower() == "none":
+        return None
+    return args.compile_cache or default_cache_dir()
+
+
 def build_engine(args, model, tokenizer):
-    """The engine of the flags, compiled and warmed up under `--compile`."""
+    """The engine of the flags; under `--compile` with dynamo's limits raised to its decode shapes (the warm-up runs
+    once the server is up: `warmup_of`)."""
     from .. import compile_config_for_cpu
     from ..compile.runtime import raise_recompile_limits
     from ..serving import Engine
@@ -192,14 +217,43 @@ def build_engine(args, model, tokenizer):
             "--buckets make its cache_config)"
         ) from error
     if args.compile:
-        shapes = len(engine.decode_shapes())
         # The whole process serves one engine: let dynamo keep a graph per decode shape.
-        raise_recompile_limits(shapes)
-        print(f"compiling {shapes} decode shapes (fewer with --buckets)", flush=True)
-        started = time.perf_counter()
-        engine.warmup()
-        print(f"compiled in {time.perf_counter() - started:.1f} s", flush=True)
+        raise_recompile_limits(len(engine.decode_shapes()))
     return engine
+
+
+def warmup_of(args, engine, *, on_done=None):
+    """The server's warm-up of a compiled engine (None without `--compile`), with a progress bar of its graphs on
+    stderr, a line when it ends, and the garbage collector's heap frozen after it; `on_done(warmup)` then too."""
+    from tqdm.auto import tqdm
+
+    from .warmup import Warmup
+
+    if not args.compile:
+        return None
+    cache_dir = compile_cache_dir(args)
+    bar = tqdm(desc="compiling", unit="graph", file=sys.stderr, dynamic_ncols=True)
+
+    def progress(done: int, total: int) -> None:
+        if bar.total != total:
+            bar.reset(total=total)
+        bar.n = done
+        bar.refresh()
+
+    def finished(warmup) -> None:
+        bar.close()
+        if warmup.state == "ready":
+            line = f"compiled {warmup.total} graphs in {warmup.seconds:.1f} s"
+            if engine.warm_start is not None:
+                line += f" ({engine.warm_start.describe()})"
+            print(line, flush=True)
+            print(f"garbage collector: {freeze_heap()} objects of the start frozen (gc.freeze)", flush=True)
+        else:
+            print(f"error: the warm-up failed: {warmup.body()['error']}", file=sys.stderr, flush=True)
+        if on_done is not None:
+            on_done(warmup)
+
+    return Warmup(engine, cache_dir=cache_dir, progress=progress, on_done=finished)
 
 
 def run(args, parser=None) -> int:
@@ -220,7 +274,17 @@ def run(args, parser=None) -> int:
     from .app import create_app
 
     name = args.served_model_name or args.model_dir
-    app = create_app(engine, tokenizer=tokenizer, processor=processor, model_name=name)
+    server = None
+    failed = threading.Event()
+
+    def warmup_done(warmup) -> None:
+        if warmup.state == "failed":  # the server cannot serve: it stops, and the command exits with 1
+            failed.set()
+            if server is not None:
+                server.should_exit = True
+
+    warmup = warmup_of(args, engine, on_done=warmup_done)
+    app = create_app(engine, tokenizer=tokenizer, processor=processor, model_name=name, warmup=warmup)
     capacities = f"{engine.max_batch_size} seats, max_cache_len={engine.max_cache_len}"
     if engine.is_encoder_decoder:
         capacities += f", max_encoder_len={engine.max_encoder_len}"
@@ -229,16 +293,24 @@ def run(args, parser=None) -> int:
         f"{'compiled' if args.compile else 'eager'}) at http://{args.host}:{args.port}/v1",
         flush=True,
     )
-    print(f"garbage collector: {freeze_heap()} objects of the start frozen (gc.freeze)", flush=True)
+    if warmup is None:
+        print(f"garbage collector: {freeze_heap()} objects of the start frozen (gc.freeze)", flush=True)
+    else:
+        cache_dir = compile_cache_dir(args)
+        print(
+            f"compiling {len(engine.decode_shapes())} decode shapes and the encoder's graphs (fewer with --buckets; "
+            f"compile cache: {cache_dir or 'none'}); /health says 'warming' until they are done",
+            flush=True,
+        )
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
-    server = _draining_server_class()(config, served=app.state.served)
+    server = _draining_server_class()(config, served=app.state.served)  # the warm-up starts as it serves
     # uvicorn installs its handlers while it serves, then restores these and raises the signal again (so that a
     # process killed by SIGTERM looks killed): with the server's own handler here, that second delivery is a no-op
     # and the command exits 0 after a graceful shutdown. Installed first, it also covers a signal during startup.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, server.handle_exit)
     server.run()
-    return 0
+    return 1 if failed.is_set() else 0
 
 
 def _draining_server_class():

@@ -23,6 +23,7 @@ Shape legend: `B` the decode step's span of seats, `W` its decoder columns, `E_W
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import threading
@@ -39,6 +40,7 @@ from ..cache.seats import FlexibleSeatCache, FlexibleSeatEncoderDecoderCache
 from ..compile.encoder import encoder_warmup_calls
 from ..compile.quantization import check_compiled_int8
 from ..compile.runtime import RECOMPILE_LIMIT_NAME, recompile_limit
+from ..compile.warm_start import compile_cache, model_facts
 from ..compile.warmup import explained_recompile_limit
 from ..generate.policies import POLICIES
 from .handle import EngineClosedError, QueueFullError, RequestCancelledError, RequestHandle
@@ -116,6 +118,9 @@ class Engine:
             config=self.config,
             compile_config=compile_config,
             on_admitted=self._admitted,
+        )
+        self.warm_start = (
+            None  # what warmup(cache_dir=...) found in the compile cache (`compile.warm_start.WarmStart`)
         )
 
         self._lock = threading.Condition()
@@ -256,8 +261,15 @@ class Engine:
             self._lock.notify_all()
         return spec.handle
 
-    def warmup(self) -> int:
+    def warmup(self, *, cache_dir=None, progress=None) -> int:
         """Compile the decode step at every shape the policy can give, before serving; returns how many.
+
+        Args:
+            cache_dir (`str | os.PathLike`, *optional*): a compile cache folder (`compile/warm_start.py`): the graphs
+                that an earlier process compiled for this model, shapes, settings, versions and CPU are loaded
+                instead of compiled, and this warm-up's are written back. `warm_start` says what it found.
+            progress (`Callable[[int, int], None]`, *optional*): called with (graphs done, graphs in all) before the
+                first graph and after each (the decode shapes, then the compiled encoder's).
 
         Raises:
             ValueError: no `compile_config`, or more shapes than dynamo keeps graphs of one function.
@@ -272,20 +284,38 @@ class Engine:
                 f"{len(shapes)} decode shapes exceed {RECOMPILE_LIMIT_NAME}={limit}: set it to "
                 f"{len(shapes)} (or more) first, or list fewer sizes in cache_config['buckets']"
             )
+        # the compiled encoder's graphs: a single row (a graph of its own where the encoder does not pack; an int8
+        # model's projections share one), several rows, and an int8 model's library kernels for many
+        # (`compile.encoder.encoder_graph`)
+        encoder_calls = encoder_warmup_calls(
+            self.model, self.compile_config, self.max_batch_size, self.max_encoder_len
+        )
+        total = len(shapes) + len(encoder_calls)
+        cache = (
+            contextlib.nullcontext() if cache_dir is None else self._compile_cache(cache_dir, shapes, encoder_calls)
+        )
         with self._model_lock, torch.no_grad():
             if self.num_running:
                 raise RuntimeError("warmup() runs before serving: requests are running")
-            with explained_recompile_limit(len(shapes)):
-                for span, window, cross_window in shapes:
+            with explained_recompile_limit(len(shapes)), cache as self.warm_start:
+                if progress is not None:
+                    progress(0, total)
+                for done, (span, window, cross_window) in enumerate(shapes, start=1):
                     self.steps.run_dummy_decode(span, window, cross_window)
-                # the compiled encoder's graphs: a single row (a graph of its own where the encoder does not pack;
-                # an int8 model's projections share one), several rows, and an int8 model's library kernels for many
-                # (`compile.encoder.encoder_graph`)
-                for rows, positions in encoder_warmup_calls(
-                    self.model, self.compile_config, self.max_batch_size, self.max_encoder_len
-                ):
+                    if progress is not None:
+                        progress(done, total)
+                for done, (rows, positions) in enumerate(encoder_calls, start=len(shapes) + 1):
                     self.steps.run_dummy_encoder(rows, positions)
+                    if progress is not None:
+                        progress(done, total)
         return len(shapes)
+
+    def _compile_cache(self, cache_dir, shapes: list, encoder_calls: list):
+        facts = {
+            "model": model_facts(self.model, self.compile_config),
+            "engine": {"decode_shapes": [list(shape) for shape in shapes], "encoder_calls": encoder_calls},
+        }
+        return compile_cache(cache_dir, facts)
 
     def decode_shapes(self) -> list[tuple]:
         """Every `(B, W, E_W)` a decode step can run at under the shape policy (E_W None without an encoder)."""

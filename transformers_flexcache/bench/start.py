@@ -166,7 +166,9 @@ def run(args, parser: argparse.ArgumentParser | None = None) -> int:
             parser.error(message)
         raise ValueError(message)
     machine = machine_info(args.threads)
-    print(f"transformers-flexcache bench-start: serve --compile, two starts on one compile cache\n{machine['cpu_line']}")
+    print(
+        f"transformers-flexcache bench-start: serve --compile, two starts on one compile cache\n{machine['cpu_line']}"
+    )
     print(f"torch {machine['torch']}, transformers {machine['transformers']}; server threads {args.threads}")
     work = tempfile.mkdtemp(prefix="flexcache-bench-start-")
     rows, failures = [], []
@@ -187,7 +189,9 @@ def run(args, parser: argparse.ArgumentParser | None = None) -> int:
                 same = figures["tokens"] == first["tokens"]
                 if not same:
                     failures.append(f"{name}: the second start's tokens differ from the first's")
-                rows.append({"model": name, "start": start, **figures, "same_tokens": "ref" if start == "first" else same})
+                rows.append(
+                    {"model": name, "start": start, **figures, "same_tokens": "ref" if start == "first" else same}
+                )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(format_table(rows))

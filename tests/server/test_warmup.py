@@ -84,3 +84,25 @@ def test_a_failed_warm_up_is_reported_and_nothing_is_served(app_with_warmup):
         assert "inductor failed to build a kernel" in body["warmup"]["error"]
         refused = complete(base_url)
         assert refused.status_code == 503 and "warm-up failed" in refused.json()["error"]["message"]
+
+
+def test_the_warm_up_thread_compiles_under_the_torch_settings_of_the_thread_that_built_it(tmp_path):
+    """torch's config is per thread (a ContextVar): `serve` raises dynamo's recompile limit to its decode shapes in
+    the main thread, and the warm-up, which runs in its own thread, must see the raised limit (with torch's default
+    of 8, a default `serve --compile` of 12 decode shapes refused to warm up)."""
+    import torch
+
+    seen = []
+
+    class StandIn:
+        warm_start = None
+
+        def warmup(self, *, cache_dir=None, progress=None):
+            seen.append(torch._dynamo.config.recompile_limit)
+
+    default = torch._dynamo.config.recompile_limit
+    with torch._dynamo.config.patch(recompile_limit=default + 5):
+        warmup = Warmup(StandIn())
+    warmup.start()
+    warmup.join(TIMEOUT)
+    assert warmup.state == "ready" and seen == [default + 5]

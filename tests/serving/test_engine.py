@@ -109,6 +109,22 @@ def test_every_request_equals_generate_alone_when_submitted_from_several_threads
     assert steps[-1] > 0, steps
 
 
+def test_the_engine_runs_the_model_under_the_torch_settings_of_the_thread_that_built_it():
+    """torch's config is per thread (a ContextVar): the scheduler and request threads run in a copy of the context
+    that built the engine, so that a raised recompile limit (or any other torch setting) applies to their compiles."""
+    case = next(case for case in MODEL_CASES if case.name == "t5")
+    _, flex = case.build("sdpa")
+    seen = set()
+    flex.register_forward_pre_hook(lambda module, args: seen.add(torch._dynamo.config.recompile_limit))
+    raised = torch._dynamo.config.recompile_limit + 5
+    with torch._dynamo.config.patch(recompile_limit=raised):
+        engine = Engine(flex, cache_config=capacities(flex))
+    with engine:
+        inputs = case.make_inputs(1, 5, torch.Generator().manual_seed(0))
+        engine.submit(**inputs, max_new_tokens=3).result(timeout=TIMEOUT)
+    assert seen == {raised}
+
+
 @pytest.mark.parametrize("name", ["t5", "llama"])
 def test_requests_without_a_mask_share_a_padded_batch_as_if_alone(name):
     # Admitted together, sources (or prompts) of different lengths are right-padded into one encoder call and one

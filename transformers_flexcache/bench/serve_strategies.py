@@ -11,6 +11,7 @@ each ended (see `bench/serve.py` for the stream, the figures and the goals).
 
 from __future__ import annotations
 
+import contextvars
 import math
 import queue
 import threading
@@ -110,7 +111,8 @@ class _QueueServer(Strategy):
     def __init__(self):
         super().__init__()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
+        # in a copy of this thread's context: torch's config is per thread (a ContextVar)
+        self._thread = threading.Thread(target=contextvars.copy_context().run, args=(self._serve,), daemon=True)
         self._thread.start()
 
     def submit(self, request: LoadRequest, arrival: float) -> None:

@@ -15,6 +15,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import contextvars
 import math
 import threading
 import time
@@ -47,6 +48,7 @@ class Warmup:
         self._started: float | None = None
         self.seconds: float | None = None  # the whole warm-up's, once it ended
         self._thread: threading.Thread | None = None
+        self._context = contextvars.copy_context()
 
     def start(self) -> None:
         """Start the warm-up in its thread (once)."""
@@ -54,7 +56,11 @@ class Warmup:
             return
         self.state = "warming"
         self._started = time.monotonic()
-        self._thread = threading.Thread(target=self._run, name="flexcache-warmup", daemon=True)
+        # torch's config is per thread (a ContextVar): the warm-up compiles under the settings of the thread that
+        # built this object (the command's raised recompile limits), not torch's defaults
+        self._thread = threading.Thread(
+            target=self._context.run, args=(self._run,), name="flexcache-warmup", daemon=True
+        )
         self._thread.start()
 
     def join(self, timeout: float | None = None) -> None:

@@ -24,6 +24,7 @@ Shape legend: `B` the decode step's span of seats, `W` its decoder columns, `E_W
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import heapq
 import itertools
 import threading
@@ -144,7 +145,11 @@ class Engine:
             "rows": 0,  # rows decoded, summed over decode steps
             "joined": 0,  # encoder-decoder requests whose first token was decoded in a decode step (no prefill)
         }
-        self._scheduler = threading.Thread(target=self._run, name="flexcache-engine", daemon=True)
+        # torch's config (dynamo's recompile limits, inductor's options) is per thread (a ContextVar): the scheduler
+        # runs in a copy of the constructing thread's context, so that what its caller set applies to its compiles
+        self._scheduler = threading.Thread(
+            target=contextvars.copy_context().run, args=(self._run,), name="flexcache-engine", daemon=True
+        )
         self._scheduler.start()
 
     @staticmethod

@@ -17,6 +17,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import contextvars
 import enum
 import queue
 import threading
@@ -117,8 +118,12 @@ class RequestWorker:
         self._reply: tuple = (None, None)
         self._rng = _rng_state_for(spec.seed, engine.model_device)
         self._outer_rng = None
+        # in a copy of the scheduler's context: torch's config is per thread (see `Engine.__init__`)
         self._thread = threading.Thread(
-            target=self._main, name=f"flexcache-request-{spec.handle.request_id}", daemon=True
+            target=contextvars.copy_context().run,
+            args=(self._main,),
+            name=f"flexcache-request-{spec.handle.request_id}",
+            daemon=True,
         )
 
     # --- the scheduler's side ---------------------------------------------------------------------------------

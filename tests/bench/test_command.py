@@ -283,15 +283,34 @@ def test_quick_bench_header_says_which_instructions_the_cpu_has_and_which_kernel
     assert f"CPU: {facts.describe()}" in header and "fp32 linears compiled on" in printed
 
 
-def test_named_compiled_int8_rows_run_in_a_quick_run_against_the_eager_int8_model(tmp_path):
-    # A frozen inductor compile of the tiny T5 in int8 (about half a minute).
+def test_named_compiled_int8_rows_run_in_a_quick_run_against_the_eager_int8_model_and_load_their_graphs_again(
+    tmp_path,
+):
+    # A frozen inductor compile of the tiny T5 in int8 (about half a minute), then the same run again on its compile
+    # cache: every graph loaded, none compiled, the same figures of agreement.
     json_path = tmp_path / "bench.json"
     args = ["bench", "--quick", "--models", "t5", "--calls", "2", "--threads", "1", "--no-progress"]
     args += ["--strategies", "flexible_static-padded-compiled-int8", "--json", str(json_path)]
-    with contextlib.redirect_stdout(io.StringIO()):
-        status = main(args)
-    strategies = json.loads(json_path.read_text())["models"]["t5"]["strategies"]
-    assert status == 0
+    args += ["--compile-cache", str(tmp_path / "cache")]
+    runs = []
+    for _ in range(2):
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            status = main(args)
+        assert status == 0 and f"compile cache: {tmp_path / 'cache'}" in printed.getvalue()
+        runs.append(json.loads(json_path.read_text())["models"]["t5"])
+    first, second = (run["compile_cache"] for run in runs)
+    assert first["found"] == "cold" and first["misses"] >= 1 and first["hits"] == 0
+    assert second["found"] == "warm" and second["misses"] == 0 and second["hits"] == first["misses"]
+    agreement = [
+        {
+            key: run["strategies"]["flexible_static-padded-compiled-int8"][key]
+            for key in ("token_agreement", "max_score_diff")
+        }
+        for run in runs
+    ]
+    assert agreement[0] == agreement[1]
+    strategies = runs[0]["strategies"]
     assert set(strategies) == {BASELINE, DYNAMIC_INT8, "flexible_static-padded-compiled-int8", *PEERS}
     compiled = strategies["flexible_static-padded-compiled-int8"]
     assert compiled["reference"] == DYNAMIC_INT8 and not compiled["exact"]  # agreement reported, not required

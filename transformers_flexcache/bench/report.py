@@ -583,7 +583,11 @@ def compile_cache_line(figures: dict) -> str:
         f"compile cache: {found}; {figures['hits']} graphs loaded, {figures['misses']} compiled "
         f"({figures['directory']})"
     )
-    return line + (f"; {figures['bypasses']} not cacheable" if figures.get("bypasses") else "")
+    if figures.get("bypasses"):
+        line += f"; {figures['bypasses']} not cacheable"
+    if figures.get("aot_hits"):
+        line += f"; AOT autograd: {figures['aot_hits']} loaded"
+    return line
 
 
 def gc_line(figures: dict, during: str = "the stream") -> str:

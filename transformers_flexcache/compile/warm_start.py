@@ -143,6 +143,7 @@ class WarmStart:
             cached with frozen weights, see docs/performance.md).
         hits, misses, bypasses: inductor's FX graph cache lookups during the warm-up: graphs loaded, compiled, and
             compiled without the cache (inductor said why in its log).
+        aot_hits, aot_bypasses: AOT autograd's cache: graphs loaded, and traced without it (with freezing, all).
         saved: artifacts written after the warm-up (0 where none were recorded).
     """
 
@@ -154,6 +155,8 @@ class WarmStart:
     hits: int = 0
     misses: int = 0
     bypasses: int = 0
+    aot_hits: int = 0
+    aot_bypasses: int = 0
     saved: int = 0
 
     def describe(self) -> str:
@@ -163,16 +166,19 @@ class WarmStart:
         )
 
 
-def _counts() -> tuple[int, int, int, int]:
-    """Dynamo's graphs traced so far, inductor's FX graph cache hits, misses and bypasses."""
+def _counts() -> tuple[int, ...]:
+    """Dynamo's graphs traced so far, inductor's FX graph cache hits, misses and bypasses, AOT autograd's cache hits
+    and bypasses."""
     from torch._dynamo.utils import counters
 
-    inductor = counters["inductor"]
+    inductor, aot = counters["inductor"], counters["aot_autograd"]
     return (
         counters["stats"]["unique_graphs"],
         inductor["fxgraph_cache_hit"],
         inductor["fxgraph_cache_miss"],
         inductor["fxgraph_cache_bypass"],
+        aot["autograd_cache_hit"],
+        aot["autograd_cache_bypass"],
     )
 
 
@@ -268,7 +274,7 @@ def compile_cache(directory: str | os.PathLike, facts: dict) -> Iterator[WarmSta
                 state.loaded = _load(entry, state)
             yield state
             counts = (now - then for now, then in zip(_counts(), before, strict=True))
-            state.traced, state.hits, state.misses, state.bypasses = counts
+            state.traced, state.hits, state.misses, state.bypasses, state.aot_hits, state.aot_bypasses = counts
             _save(entry, facts, state)
 
 

@@ -14,6 +14,8 @@ Kinds of entry:
 - `"op"`: an operator overload (`torch.ops.mkldnn._linear_pointwise.default`); `args`, where given, are its schema's
   argument names, in order (the positional calls in our graph passes depend on it).
 - `"config"`: an option of a config module (`torch._inductor.config.freezing`, passed in `compile_config.options`).
+- `"stamp"`: an attribute that torch sets on tensors and our code reads or removes by its name, listed under the
+  function of torch that sets it; `args` are the attribute names that function's source must still spell.
 """
 
 from __future__ import annotations
@@ -58,6 +60,12 @@ TORCH_NAMES: dict[str, TorchName] = {
     ),
     "torch._dynamo.config.patch": TorchName(
         "object", "compile/runtime.py: the bench raises the recompile limits for its run"
+    ),
+    "torch._functorch._aot_autograd.runtime_wrappers.mark_dynamo_propagated_dynamic_indices": TorchName(
+        "stamp",
+        "sets the stamp that the compiled encoder takes off its outputs, so that the decode graphs keep fixed sizes "
+        "(compile/encoder.py)",
+        ("_dynamo_propagated_dynamic_indices",),
     ),
     "torch._dynamo.config.specialize_float": TorchName(
         "config", "the compiled encoder keeps its modules' float attributes constant (no retrace: compile/encoder.py)"
@@ -208,6 +216,10 @@ def problem(name: str, entry: TorchName) -> str | None:
         return f"missing: {type(error).__name__}: {error}"
     if not entry.args:
         return None
+    if entry.kind == "stamp":
+        source = inspect.getsource(obj)
+        missing = [attribute for attribute in entry.args if attribute not in source]
+        return f"its source no longer sets {missing}" if missing else None
     if entry.kind == "op":
         found = tuple(argument.name for argument in obj._schema.arguments)
         if found[: len(entry.args)] != entry.args:

@@ -343,3 +343,26 @@ def test_a_flexible_call_checks_every_guard_at_its_first_compiled_step_only(monk
     skipped.clear()
     flex.generate(**inputs, **common, cache_implementation="static", compile_config=compile_config_for_cpu())
     assert skipped and not any(skipped)
+
+
+def test_the_compiled_encoder_s_outputs_reach_the_fixed_shape_decode_graphs_without_symbolic_sizes():
+    # torch stamps each output of a graph of dynamic shapes with its symbolic dimensions, and dynamo makes them
+    # symbolic in the next graph it compiles for such a tensor: generate passes the encoder's outputs to every decode
+    # step, whose graphs have fixed shapes. With the stamp, the bucketed policy's graph at the capacities held a
+    # symbolic encoder length that the padded policy's did not, and the compile cache compiled the same graph twice.
+    from transformers_flexcache.compile.encoder import _DYNAMIC_STAMP, compiled_encoder
+
+    _, flex = T5.build("sdpa")
+    compile_config = FlexCompileConfig(backend="aot_eager", fullgraph=True, compile_encoder=True)
+    compile_config._compile_all_devices = True
+    inputs = T5.make_inputs(3, 7, torch.Generator().manual_seed(0))
+    inputs["attention_mask"][0, 5:] = 0  # rows of other lengths: the packed route, as generate's calls
+    encoder = compiled_encoder(flex, compile_config)
+    with torch.no_grad():
+        states = encoder(**inputs, return_dict=True).last_hidden_state
+        stamped = encoder.plain(**inputs, return_dict=True).last_hidden_state
+        expected = flex.get_encoder()(**inputs, return_dict=True).last_hidden_state
+    assert _DYNAMIC_STAMP in stamped.__dict__  # what torch does to the raw compiled encoder's outputs
+    assert _DYNAMIC_STAMP not in states.__dict__
+    real = inputs["attention_mask"].bool()
+    torch.testing.assert_close(states[real], expected[real])

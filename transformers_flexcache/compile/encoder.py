@@ -86,6 +86,27 @@ def _specialized_floats():
     return torch._dynamo.config.patch(specialize_float=True)
 
 
+# torch 2.13 and 2.14 stamp each output of a graph of dynamic shapes with the dimensions that were symbolic in it
+# (`_dynamo_propagated_dynamic_indices`, AOT autograd's runtime wrappers), and dynamo makes those dimensions symbolic
+# in a graph that it compiles again for a tensor so stamped. The encoder's outputs reach the fixed-shape decode graphs
+# (upstream's generate passes them to every decode step, which does not read them once the cross-attention cache is
+# filled): the bucketed policy's graph at the capacities held a symbolic encoder length that the padded policy's graph
+# at the same shapes did not, so inductor's FX graph cache, keyed by the graph, compiled the same work twice (the
+# bench's T5, AMD EPYC Zen 4: none of 18 graphs shared). The decoder's graphs take the encoder's outputs at the sizes
+# they have.
+_DYNAMIC_STAMP = "_dynamo_propagated_dynamic_indices"
+
+
+def _without_dynamic_stamps(outputs):
+    """`outputs` (a `ModelOutput`, or a tensor) with the stamp above taken off each tensor, in place."""
+    values = outputs.values() if isinstance(outputs, dict) else (outputs,)
+    for value in values:
+        for tensor in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(tensor, torch.Tensor) and _DYNAMIC_STAMP in getattr(tensor, "__dict__", {}):
+                delattr(tensor, _DYNAMIC_STAMP)
+    return outputs
+
+
 # model -> (compile config, whether quantized, its compiled encoder)
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # model -> (compile config, whether quantized, its packed encoder, `_PackedEncoder`, compiled)
@@ -207,7 +228,7 @@ class _PackedOrPlain:
 
     def __call__(self, **kwargs):
         with fx_config.patch(use_duck_shape=False), _specialized_floats():
-            return self._call(**kwargs)
+            return _without_dynamic_stamps(self._call(**kwargs))
 
     def _call(self, **kwargs):
         input_ids, attention_mask = kwargs.get("input_ids"), kwargs.get("attention_mask")

@@ -27,9 +27,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import json
+import os
+import subprocess
 import sys
 import threading
 import weakref
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -459,3 +463,18 @@ def assert_same_padded_generation(upstream, flex, inputs: dict, expected, actual
     atol = padded_call_atol(upstream, flex, inputs, expected, actual, seed=seed, **kwargs)
     assert_same_generation(expected, actual, atol=atol)
     return atol
+
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_on_two_ranks(child: Path, folder: Path, *, timeout: float) -> list[dict]:
+    """`python child folder` under `torchrun` on two CPU ranks (gloo), one OpenMP thread each, bounded by `timeout`
+    seconds; returns what each rank wrote to `folder/rank{0,1}.json`."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone"]
+    result = subprocess.run(
+        [*command, str(child), str(folder)], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert result.returncode == 0, f"torchrun failed (rc={result.returncode}):\n{result.stderr[-4000:]}"
+    return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in (0, 1)]

@@ -12,18 +12,15 @@ Tokens are compared with a single-process run of upstream's model with DynamicCa
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import JambaConfig
 
+from tests.helpers import run_on_two_ranks
 from tests.model_cases import JAMBA, LLAMA
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 300
 # Jamba's attention projections, sharded as Llama's are (keys name module paths of the causal-LM model).
 JAMBA_ATTENTION_PLAN = {
@@ -80,18 +77,8 @@ def ranks(tmp_path_factory):
             {"name": name, "model": case.name, "folder": str(folder), "tp_plan": plan, "attn": attn, "calls": calls}
         )
     (root / "jobs.json").write_text(json.dumps(jobs))
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone"]
-    result = subprocess.run(
-        [*command, str(REPO_ROOT / "tests" / "generate" / "tensor_parallel_child.py"), str(root)],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
-    assert result.returncode == 0, f"torchrun failed (rc={result.returncode}):\n{result.stderr[-4000:]}"
-    return [json.loads((root / f"rank{rank}.json").read_text()) for rank in (0, 1)], reference
+    ranks = run_on_two_ranks(Path(__file__).parent / "tensor_parallel_child.py", root, timeout=TIMEOUT_S)
+    return ranks, reference
 
 
 @pytest.mark.parametrize(("name", "heads"), [pytest.param(c[0], c[3], id=c[0]) for c in CASES])

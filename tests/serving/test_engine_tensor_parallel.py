@@ -8,17 +8,13 @@ each rank's seats. Every request's tokens equal upstream's DynamicCache on the r
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
-from tests.helpers import own_copy
+from tests.helpers import own_copy, run_on_two_ranks
 from tests.model_cases import LLAMA
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 300
 CACHE_CONFIG = {"max_batch_size": 4, "max_cache_len": 32}
 
@@ -38,18 +34,7 @@ def test_engine_on_two_tensor_parallel_ranks_serves_every_request_as_generate_al
         requests.append({"inputs": {k: v.tolist() for k, v in inputs.items()}, "kwargs": kwargs, "seed": 500 + index})
     job = {"folder": str(folder), "cache_config": CACHE_CONFIG, "requests": requests}
     (tmp_path / "job.json").write_text(json.dumps(job))
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone"]
-    result = subprocess.run(
-        [*command, str(REPO_ROOT / "tests" / "serving" / "tensor_parallel_child.py"), str(tmp_path)],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
-    assert result.returncode == 0, f"torchrun failed (rc={result.returncode}):\n{result.stderr[-4000:]}"
-    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    ranks = run_on_two_ranks(Path(__file__).parent / "tensor_parallel_child.py", tmp_path, timeout=TIMEOUT_S)
     for rank, found in enumerate(ranks):
         assert "error" not in found, f"rank {rank}:\n{found.get('error')}"
         assert found["storage_heads"] == [1, 1]  # each rank's seats hold its one kv head of two

@@ -38,8 +38,8 @@ from transformers.models.bart.modeling_bart import (
 )
 
 from transformers_flexcache.cache import has_cross_attention_kv
-from transformers_flexcache.compile.packing import PackedRows, run_packed
 from transformers_flexcache.models.modeling import FlexModelMixin
+from transformers_flexcache.models.packing import PackedRows, run_packed
 
 
 class FlexBartAttentionMixin:
@@ -100,7 +100,7 @@ class FlexBartAttentionMixin:
 
     def _flex_packed_self_attention(self, hidden_states, attention_mask, rows: PackedRows, **kwargs):
         """Derived from `BartAttention.forward` (transformers==5.24.0) for an encoder's self-attention on packed
-        tokens (`transformers_flexcache.compile.packing`; the packed encoders of BART and Marian, `_flex_encode_packed`).
+        tokens (`transformers_flexcache.models.packing`; the packed encoders of BART and Marian, `_flex_encode_packed`).
 
         Differences: the projections run on the call's real tokens `[1, N, d]`; queries, keys and values are
         put back into their rows (`rows.unpack`, zeros at the padding, which `attention_mask` masks) for upstream's
@@ -151,7 +151,7 @@ class FlexBartForConditionalGeneration(FlexModelMixin, BartForConditionalGenerat
     @staticmethod
     def _flex_encode_packed(encoder, input_ids: torch.Tensor, attention_mask: torch.Tensor, index: torch.Tensor):
         """Derived from `BartEncoder.forward` (transformers==5.24.0) for an inference call: its output, whose last
-        hidden state `[B, L, d]` is computed on the real tokens only (`transformers_flexcache.compile.packing`; zeros at the
+        hidden state `[B, L, d]` is computed on the real tokens only (`transformers_flexcache.models.packing`; zeros at the
         padding positions). Differences: the layers run on the packed tokens `[1, N, d]` after the embeddings,
         positions and embedding norm, their self-attention on the rows (`FlexBartAttentionMixin.
         _flex_packed_self_attention`); dropout, layer drop and recorded outputs, which an inference call of the

@@ -21,8 +21,8 @@ from transformers.models.marian import modeling_marian
 from transformers.models.marian.modeling_marian import MarianAttention, MarianMTModel
 
 from model_overrides.bart import FlexBartAttentionMixin
-from transformers_flexcache.compile.packing import run_packed
 from transformers_flexcache.models.modeling import FlexModelMixin
+from transformers_flexcache.models.packing import run_packed
 
 
 class FlexMarianAttention(FlexBartAttentionMixin, MarianAttention):
@@ -44,7 +44,7 @@ class FlexMarianMTModel(FlexModelMixin, MarianMTModel, GenerationMixin):
     @staticmethod
     def _flex_encode_packed(encoder, input_ids: torch.Tensor, attention_mask: torch.Tensor, index: torch.Tensor):
         """Derived from `MarianEncoder.forward` (transformers==5.24.0) for an inference call: its output, whose last
-        hidden state `[B, L, d]` is computed on the real tokens only (`transformers_flexcache.compile.packing`; zeros at the
+        hidden state `[B, L, d]` is computed on the real tokens only (`transformers_flexcache.models.packing`; zeros at the
         padding positions). Differences: the layers run on the packed tokens `[1, N, d]` after the embeddings and
         positions, their self-attention on the rows (`FlexBartAttentionMixin._flex_packed_self_attention`); dropout,
         layer drop and recorded outputs, which an inference call of the encoder has none of, are left out

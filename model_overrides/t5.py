@@ -24,8 +24,8 @@ from transformers.models.t5.modeling_t5 import (
 )
 
 from transformers_flexcache.cache import has_cross_attention_kv
-from transformers_flexcache.compile.packing import PackedRows
 from transformers_flexcache.models.modeling import FlexModelMixin
+from transformers_flexcache.models.packing import PackedRows
 
 
 def per_row_relative_bias(attention, query_length: int, key_length: int, device, past_seen_tokens: torch.Tensor):
@@ -119,7 +119,7 @@ class FlexT5Attention(T5Attention):
 
     def _flex_packed_self_attention(self, hidden_states, mask, position_bias, rows: PackedRows, **kwargs):
         """Derived from `T5Attention.forward` (transformers==5.24.0) for the encoder's self-attention on packed
-        tokens (`transformers_flexcache.compile.packing`, `FlexT5ForConditionalGeneration._flex_encode_packed`).
+        tokens (`transformers_flexcache.models.packing`, `FlexT5ForConditionalGeneration._flex_encode_packed`).
 
         Differences: the projections run on the call's real tokens `[1, N, d]`; queries, keys and values are
         put back into their rows (`rows.unpack`, zeros at the padding, which `mask` masks) for upstream's attention,
@@ -152,7 +152,7 @@ class FlexT5ForConditionalGeneration(FlexModelMixin, T5ForConditionalGeneration,
     @staticmethod
     def _flex_encode_packed(encoder, input_ids: torch.Tensor, attention_mask: torch.Tensor, index: torch.Tensor):
         """Derived from `T5Stack.forward` (transformers==5.24.0) for the encoder of an inference call: its output,
-        whose last hidden state `[B, L, d]` is computed on the real tokens only (`transformers_flexcache.compile.packing`;
+        whose last hidden state `[B, L, d]` is computed on the real tokens only (`transformers_flexcache.models.packing`;
         zeros at the padding positions). Differences: the blocks run on the packed tokens `[1, N, d]`, their
         self-attention on the rows (`FlexT5Attention._flex_packed_self_attention`); dropout, a cache and recorded
         outputs, which an inference call of the encoder has none of, are left out (`compile/encoder.py` packs only

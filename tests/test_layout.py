@@ -1,9 +1,16 @@
-"""The shape of the package: wings whose imports go one way, one seam, private torch names in one wing, one version.
+"""The shape of the package: wings whose imports go one way, one seam, private torch names in one wing, the compile
+wing reached through its face, one version.
 
 The wings, lowest first (docs/design.md opens with this map): `cache/` <- `generate/` <- `compile/` and `models/`
 (with `model_overrides/`) <- `serving/` and `export/` <- `server/` and `bench/`. A module imports its own wing and
 those below, never one above; the leaves at the root (`log.py`, and `zoo.py`, the benchmark's and the tests' model
-configs, which import nothing of the package) are below everything, the package's `__init__`/`__main__` above.
+configs, which import nothing of the package, and `_version.py`) are below everything, the package's
+`__init__`/`__main__` above. No module imports the package's face (its `__init__`): `__version__` comes from
+`_version.py`.
+
+The compile wing has a face: `transformers_flexcache.compile` exports in `__all__` what the other wings use, and no
+module outside `compile/` (the package's, `model_overrides/`, the tests of the other wings, `scripts/`) imports one
+of the modules behind it.
 
 Imports are read from the syntax tree of every module, those inside functions included: an import made lazily to get
 around a circle is still a circle of ideas.
@@ -103,6 +110,7 @@ def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
 # Each wing's level: a module may import modules of its level or below.
 PACKAGE = "transformers_flexcache"
 WING_LEVELS = {
+    f"{PACKAGE}._version": 0,
     f"{PACKAGE}.log": 0,
     f"{PACKAGE}.zoo": 0,  # the benchmark's and the tests' model configs: imports nothing of the package
     f"{PACKAGE}.cache": 1,
@@ -203,7 +211,113 @@ def test_the_runtime_package_imports_neither_the_benchmark_nor_the_drift_check()
 def test_setup_cfg_and_the_package_state_one_version():
     parser = configparser.ConfigParser()
     parser.read(REPO_ROOT / "setup.cfg")
-    assert parser["metadata"]["version"] == "attr: transformers_flexcache.__version__"
+    assert parser["metadata"]["version"] == "attr: transformers_flexcache._version.__version__"
     assert (
         read_configuration(str(REPO_ROOT / "setup.cfg"))["metadata"]["version"] == transformers_flexcache.__version__
     )
+
+
+COMPILE = f"{PACKAGE}.compile"
+
+
+def _absolute_imports(path: Path) -> set[str]:
+    """The dotted names that the absolute imports of the file at `path` name (`import a.b`, `from a.b import c` gives
+    `a.b` and `a.b.c`)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+        elif isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+    return names
+
+
+def _behind_the_compile_face(names) -> list[str]:
+    """The names among `names` that are modules of the compile wing other than its face (`compile/__init__.py`)."""
+    modules = _modules()
+    return sorted(name for name in names if name.startswith(COMPILE + ".") and name in modules)
+
+
+def test_no_module_outside_the_compile_wing_imports_one_behind_its_face():
+    graph = import_graph()
+    behind = sorted(
+        f"{module} -> {name}"
+        for module, imported in graph.items()
+        if not module.startswith(COMPILE + ".") and module != COMPILE
+        for name in _behind_the_compile_face(imported)
+    )
+    # the tests of the other wings and the scripts are users of the package like any other
+    outside = [
+        path
+        for folder in ("tests", "scripts")
+        for path in sorted((REPO_ROOT / folder).rglob("*.py"))
+        if not path.is_relative_to(REPO_ROOT / "tests" / "compile")
+    ]
+    behind += [
+        f"{path.relative_to(REPO_ROOT)} -> {name}"
+        for path in outside
+        for name in _behind_the_compile_face(_absolute_imports(path))
+    ]
+    assert graph[f"{PACKAGE}.models.modeling"] >= {COMPILE}  # the graph reaches the face
+    assert not behind, "import these names from transformers_flexcache.compile (add them to its __all__):\n" + (
+        "\n".join(behind)
+    )
+
+
+def test_the_compile_face_gives_every_name_it_lists_and_no_name_is_also_a_module_of_the_wing():
+    import importlib
+
+    compile_wing = importlib.import_module(COMPILE)
+    assert compile_wing.__all__ and all(getattr(compile_wing, name) is not None for name in compile_wing.__all__)
+    # A name that were also a module of the wing would be replaced by the module once the module is imported.
+    modules = {name.rpartition(".")[2] for name in _modules() if name.startswith(COMPILE + ".")}
+    assert not modules & set(compile_wing.__all__)
+    # the package's own public names of the wing come through the face
+    for name in ("compile_config_for_cpu", "quantize", "warmup"):
+        assert getattr(transformers_flexcache, name) is getattr(compile_wing, name)
+
+
+def test_the_compile_face_check_finds_an_import_behind_the_face():
+    assert _behind_the_compile_face({COMPILE, f"{COMPILE}.compile_config_for_cpu"}) == []
+    assert _behind_the_compile_face({f"{COMPILE}.config", f"{COMPILE}.config.FlexCompileConfig"}) == [
+        f"{COMPILE}.config"
+    ]
+
+
+def _imports_of_the_package_face(module: str, path: Path, modules: dict[str, Path]) -> list[str]:
+    """The names that `module` (at `path`) imports from the package's face: `import transformers_flexcache`, or a
+    name of the root package that is not a module of it (`from .. import __version__`)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names if alias.name == PACKAGE]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+                target = ".".join([*base[: len(base) - node.level + 1], *([node.module] if node.module else [])])
+            else:
+                target = node.module or ""
+            if target == PACKAGE:
+                found += [alias.name for alias in node.names if f"{PACKAGE}.{alias.name}" not in modules]
+    return found
+
+
+def test_no_module_imports_the_package_s_face():
+    modules = _modules()
+    found = {
+        module: names
+        for module, path in modules.items()
+        if module not in (PACKAGE, f"{PACKAGE}.__main__")
+        for names in [_imports_of_the_package_face(module, path, modules)]
+        if names
+    }
+    assert not found, found
+
+
+def test_the_face_check_finds_a_module_that_imports_the_package_s_version_from_its_face(tmp_path):
+    modules = _modules()
+    source = tmp_path / "caching.py"
+    source.write_text("from .. import __version__\nfrom .. import zoo\nfrom .._version import __version__\n")
+    assert _imports_of_the_package_face(f"{PACKAGE}.compile.caching", source, modules) == ["__version__"]
+    source.write_text("import transformers_flexcache\n")
+    assert _imports_of_the_package_face(f"{PACKAGE}.compile.caching", source, modules) == [PACKAGE]

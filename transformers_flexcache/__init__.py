@@ -8,28 +8,28 @@ The package is four wings, imports going one way (docs/design.md opens with the 
   `cache.capacity.decide` is the one capacity decision of a call.
 - `generate/`: the flexible_static generate path (request, plan, mixin, pool, policies, padded calls) and
   `generate/hooks.py`, the one seam through which a call asks its plug-ins.
-- `compile/`: the CPU compile stack, every private torch name of the package (`compile_config_for_cpu()`,
-  `warmup()`, `quantize(model, "int8")`, the graph passes, the compiled encoder, the CPU's facts), and its answers
-  to generate's hooks; `models/`: override classes and registration (`model_overrides/` beside the package).
+- `compile/`: the CPU compile stack behind one face (`compile/__init__.py`'s `__all__`, the only door the other wings
+  use), every private torch name of the package (`compile_config_for_cpu()`, `warmup()`, `quantize(model, "int8")`, the
+  graph passes, the compiled encoder, the CPU's facts), and its answers to generate's hooks; `models/`: override
+  classes and registration (`model_overrides/` beside the package).
 - `serving/` (the in-flight engine, whose request seats answer generate's hooks) and `export/` (torch.export and
   ExecuTorch programs); `server/` (its OpenAI-compatible HTTP server) and `bench/` (the benchmark: nothing but the
   command line imports it).
 """
 
+from ._version import __version__ as __version__
 from .cache import CacheConfig, FlexibleCrossAttentionCache, FlexibleEncoderDecoderCache, FlexibleStaticCache
 from .generate.pool import held_nbytes, release
 from .generate.request import FLEXIBLE_STATIC
-
-__version__ = "0.2.0"
 
 # Loaded on first use (PEP 562), so that importing the package imports no model code.
 _LAZY = {
     "register": "models.registry",
     "unregister": "models.registry",
     "convert": "models.registry",
-    "compile_config_for_cpu": "compile.config",
-    "warmup": "compile.warmup",
-    "quantize": "compile.quantization",
+    "compile_config_for_cpu": "compile",
+    "warmup": "compile",
+    "quantize": "compile",
 }
 
 __all__ = [

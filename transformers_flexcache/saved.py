@@ -6,7 +6,7 @@ A folder saved today must load after any later refactor of the package, so it na
 
 from __future__ import annotations
 
-from . import __version__
+from ._version import __version__
 from .models.auto_classes import FORMAT_VERSION
 from .models.catalogue import flex_model_classes
 from .models.generic import flex_class_for, upstream_class_named

@@ -47,7 +47,7 @@ class TorchName:
     args: tuple[str, ...] = ()
 
 
-_PASSES = "our inductor graph passes (linear_kernels.py, decode_attention.py)"
+_PASSES = "our inductor graph passes (compile/passes/)"
 
 TORCH_NAMES: dict[str, TorchName] = {
     # --- CPU facts are public (torch.cpu.get_capabilities, torch.backends.cpu.get_cpu_capability): no entry.
@@ -124,10 +124,10 @@ TORCH_NAMES: dict[str, TorchName] = {
         "object", "fx_cache.py tells frozen packed weights from other mkldnn tensors", ("t",)
     ),
     "torch._inductor.runtime.cache_dir_utils.temporary_cache_dir": TorchName(
-        "object", "warm_start.py points inductor's on-disk cache at the compile cache entry", ("directory",)
+        "object", "compile/caching.py points inductor's on-disk cache at the compile cache entry", ("directory",)
     ),
     "torch.compiler._cache.CacheArtifactManager.with_fresh_cache": TorchName(
-        "object", "warm_start.py saves the artifacts of one entry's compiles alone"
+        "object", "compile/caching.py saves the artifacts of one entry's compiles alone"
     ),
     "torch._guards.TracingContext.try_get": TorchName(
         "object", "OneDNNLinears finds the parameters that freezing makes constants (params_flat, fw_metadata)"

@@ -358,7 +358,7 @@ UPSTREAM: dict[str, Upstream] = {
             ("pegasus.modeling_pegasus", "PegasusAttention"),
         )
     },
-    # The packed encoders (`transformers_flexcache/compile/packing.py`): copies of the encoders' forward on packed tokens.
+    # The packed encoders (`transformers_flexcache/models/packing.py`): copies of the encoders' forward on packed tokens.
     f"{_BART}.BartEncoder.forward": Upstream(
         "af7e8ef423479a4e",
         "FlexBartForConditionalGeneration._flex_encode_packed repeats its embeddings, positions, embedding norm, mask "

@@ -18,7 +18,7 @@ from transformers_flexcache.bench.models import DEFAULT_MODELS
 from transformers_flexcache.bench.report import PEERS, format_model
 from transformers_flexcache.bench.strategies import BASELINE, DYNAMIC_INT8, STRATEGIES, strategies_for
 from transformers_flexcache.cache import FlexibleStaticCache
-from transformers_flexcache.compile import cpu
+from transformers_flexcache.compile import cpu_facts
 
 # Figures that only torch strategies report (CTranslate2 exposes no cache allocations or compiled graphs).
 TORCH_ONLY = {
@@ -273,7 +273,7 @@ def test_quick_bench_header_says_which_instructions_the_cpu_has_and_which_kernel
     assert isa["linear_kernels"] in ("onednn", "mkl") and isa["torch_capability"]
     assert isa["one_row_linears"] in ("inductor", "library")
     fbgemm = "fbgemm" in torch.backends.quantized.supported_engines
-    facts = cpu.cpu_facts()
+    facts = cpu_facts()
     expected = "library" if facts.amx else "fbgemm" if fbgemm else "library" if facts.vnni else "inductor"
     assert isa["int8_linears"] == expected
     assert (

@@ -19,15 +19,17 @@ from tests.helpers import (
 )
 from tests.model_cases import LLAMA
 from transformers_flexcache import compile_config_for_cpu
-from transformers_flexcache.compile import cpu, linear_kernels
+from transformers_flexcache.compile import cpu
 from transformers_flexcache.compile.config import FlexCompileConfig, compile_settings
-from transformers_flexcache.compile.linear_kernels import (
+from transformers_flexcache.compile.passes import (
     Int8DotExpansion,
     Int8DotProducts,
     Int8FbgemmMatmuls,
     Int8FloatGemms,
     OneDNNLinears,
     OneRowLinears,
+    fp32_linears,
+    int8_linears,
 )
 
 
@@ -106,7 +108,7 @@ def test_one_row_linears_run_first_and_each_pass_keys_inductor_s_cache_apart():
 @pytest.mark.parametrize(("vendor", "expected"), [("GenuineIntel", "library"), ("AuthenticAMD", "inductor")])
 def test_auto_one_row_linears_are_inductor_s_where_the_cpu_is_not_intel_s(vendor, expected):
     with cpu.forced(vendor=vendor):
-        assert linear_kernels.resolve_one_row_linears("auto") == expected
+        assert fp32_linears.resolve_one_row_linears("auto") == expected
 
 
 def test_int8_dot_products_are_marked_before_freezing_and_expanded_first_after_it():
@@ -157,9 +159,9 @@ def test_fbgemm_int8_linears_are_marked_before_freezing_with_dot_products_for_fe
 def test_auto_int8_linears_are_fbgemm_s_where_torch_has_fbgemm_and_the_cpu_no_amx(
     monkeypatch, facts, fbgemm, expected
 ):
-    monkeypatch.setattr(linear_kernels, "has_fbgemm", lambda: fbgemm)
+    monkeypatch.setattr(int8_linears, "has_fbgemm", lambda: fbgemm)
     with cpu.forced(**facts):
-        assert linear_kernels.resolve_int8_linears("auto") == expected
+        assert int8_linears.resolve_int8_linears("auto") == expected
         passes = compile_config_for_cpu(linear_kernels="mkl").options.get("joint_custom_post_pass")
     assert (
         passes
@@ -188,7 +190,7 @@ def test_unknown_one_row_linears_are_refused_with_the_choices():
 )
 def test_auto_linear_kernels_are_mkl_on_intel_cpus_only_as_ctranslate2_chooses(vendor, expected):
     with cpu.forced(vendor=vendor):
-        assert linear_kernels.resolve_linear_kernels("auto") == expected
+        assert fp32_linears.resolve_linear_kernels("auto") == expected
         options = compile_config_for_cpu(decode_attention="library", int8_linears="library").options  # no int8 pass
     assert ("joint_custom_post_pass" in options) == (expected == "onednn")
 

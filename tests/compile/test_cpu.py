@@ -91,7 +91,7 @@ def test_describe_names_the_cpu_and_what_decides_its_kernels():
 
 
 def test_forced_answers_change_every_decision_and_are_undone_after():
-    from transformers_flexcache.compile.linear_kernels import resolve_int8_linears, resolve_linear_kernels
+    from transformers_flexcache.compile.passes import resolve_int8_linears, resolve_linear_kernels
     from transformers_flexcache.compile.quantization import int8_bits
 
     before = cpu_facts()

@@ -1,4 +1,4 @@
-"""A padded encoder call run on its real tokens only (`transformers_flexcache/compile/packing.py`): the overrides' packed
+"""A padded encoder call run on its real tokens only (`transformers_flexcache/models/packing.py`): the overrides' packed
 encoders (T5, Marian, BART) against upstream's encoder on the same inputs, and the compiled encoder's choice of it."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from tests.helpers import assert_within_float_noise, in_double
 from tests.model_cases import BART, MARIAN, MBART, T5
 from transformers_flexcache.compile.config import FlexCompileConfig
 from transformers_flexcache.compile.encoder import compiled_encoder, packs_encoder
-from transformers_flexcache.compile.packing import PackedRows, real_positions
+from transformers_flexcache.models.packing import PackedRows, real_positions
 
 # The packed encoder runs its linears on other rows than upstream's (a GEMM of N tokens, not B x L): float rounding,
 # within the float noise of upstream's own encoding (tests/helpers.py, `assert_within_float_noise`).

@@ -38,7 +38,7 @@ from transformers_flexcache.compile.encoder import (
     cross_attention_projector,
     has_int8_variants,
 )
-from transformers_flexcache.compile.linear_kernels import (
+from transformers_flexcache.compile.passes.int8_linears import (
     FBGEMM_MIN_OUTPUTS,
     Int8FloatGemms,
     has_fbgemm,

@@ -242,7 +242,7 @@ def test_warmup_compiles_every_bucket_so_that_a_stream_compiles_nothing_more(cas
 def test_warmup_compiles_the_encoder_of_every_bucket_too_when_the_config_asks():
     # FlexCompileConfig(compile_encoder=True), as compile_config_for_cpu() makes it: the encoder graphs are compiled
     # by warmup() beside the decode graphs; the stream (rows 1 to 4, lengths 3 to 12) then compiles nothing.
-    from transformers_flexcache.compile.config import FlexCompileConfig
+    from transformers_flexcache.compile import FlexCompileConfig
 
     counter = CompileCounter()
     compile_config = FlexCompileConfig(backend=counting_backend(counter), fullgraph=True, dynamic=False)

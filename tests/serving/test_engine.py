@@ -467,7 +467,7 @@ def test_a_compiled_stream_compiles_nothing_after_warmup(name):
 def test_a_compiled_encoder_is_warmed_up_with_the_decode_step_and_serves_the_stream():
     # compile_config_for_cpu()'s FlexCompileConfig compiles the batched token encoder too, with dynamic shapes:
     # warmup() adds its graphs for one row and for several, and requests of any rows and lengths compile nothing.
-    from transformers_flexcache.compile.config import FlexCompileConfig
+    from transformers_flexcache.compile import FlexCompileConfig
 
     torch._dynamo.reset()
     case = next(case for case in MODEL_CASES if case.name == "t5")

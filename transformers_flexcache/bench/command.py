@@ -25,7 +25,7 @@ import time
 import torch
 from transformers.utils import logging as hf_logging
 
-from ..compile.cpu import cpu_facts
+from ..compile import cpu_facts
 from .measure import read_bandwidth
 from .models import (
     BENCH_MODELS,
@@ -112,7 +112,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compile-cache",
         metavar="DIR|none",
-        help="where compiled graphs are kept between runs (compile/warm_start.py: one entry per model and settings, "
+        help="where compiled graphs are kept between runs (compile/caching.py: one entry per model and settings, "
         "keyed by versions and CPU too): a second run loads them instead of compiling, and the compile column shows "
         "it; `none` for no such folder (inductor's cache as --inductor-cache says). Default: "
         "~/.cache/transformers-flexcache/compile (under $XDG_CACHE_HOME), or none with --inductor-cache",
@@ -136,7 +136,7 @@ COMPILE_CACHE_NONE = "none"
 def compile_cache_root(args) -> str | None:
     """The compile cache folder of the run: `--compile-cache`, the default one, or None (`none`, or
     `--inductor-cache` given alone)."""
-    from ..compile.warm_start import default_cache_dir
+    from ..compile import default_cache_dir
 
     if args.compile_cache is None:
         return None if args.inductor_cache is not None else str(default_cache_dir())
@@ -144,10 +144,10 @@ def compile_cache_root(args) -> str | None:
 
 
 def _model_compile_cache(root: str | None, model, args):
-    """The compile cache entry of one model's run (`compile.warm_start.compile_cache`), or a null context."""
+    """The compile cache entry of one model's run (`compile.caching.compile_cache`), or a null context."""
     if root is None:
         return contextlib.nullcontext()
-    from ..compile.warm_start import compile_cache
+    from ..compile import compile_cache
 
     settings = ("model", "quick", "dtype", "device", "calls", "min_length", "max_length", "new_tokens", "seed")
     facts = {"bench": {"name": model.name, **{key: getattr(args, key) for key in settings}}}
@@ -158,7 +158,7 @@ def _model_compile_cache(root: str | None, model, args):
 def inductor_cache_state(*, fresh: bool) -> dict:
     """Where inductor's on-disk cache is (TORCHINDUCTOR_CACHE_DIR as set for the run) and how many files it held at
     the start: compile times with a filled cache are a restart's, with an empty one a first start's."""
-    from ..compile.runtime import inductor_cache_dir
+    from ..compile import inductor_cache_dir
 
     folder = inductor_cache_dir()
     files = sum(len(names) for _, _, names in os.walk(folder)) if os.path.isdir(folder) else 0
@@ -246,7 +246,7 @@ def _quiet_transformers():
 
 def run(args, parser: argparse.ArgumentParser) -> int:
     """Run the `bench` subcommand; returns the exit status (0: all outputs equal to DynamicCache's)."""
-    from ..compile.runtime import recompile_limits
+    from ..compile import recompile_limits
     from .model_run import run_model  # the model stack, imported when the command runs (not for --help)
     from .report import format_footer, format_header, format_model, machine_info, to_json, write_plot
 

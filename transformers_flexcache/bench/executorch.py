@@ -3,7 +3,7 @@ run on the stream of the torch strategies, interleaved with them.
 
 Design decisions:
 - Ours: `export_model` at the stream's capacities, lowered with XNNPACK into one `.pte` (`lower_ours` of
-  `export/measure.py`; decoder-only programs without the LLM runner's `forward`, which the stream never calls), run
+  `bench/export_measure.py`; decoder-only programs without the LLM runner's `forward`, which the stream never calls), run
   by `ExecuTorchPrograms` and decoded by `export.generate`. `executorch-8da4w` quantizes a copy of the override model
   first (`quantize_model_(model, "8da4w")`: int8 dynamic activations, int4 weights in groups of 32).
 - transformers' exporter (`Seq2SeqLMExportableModule`, `TorchExportableModuleForDecoderOnlyLM`) fixes the batch at
@@ -178,8 +178,8 @@ class OursRunner(_ProgramRunner):
     @classmethod
     def lower(cls, name: str, flex, upstream, capacities: dict, *, quantize: str = "none") -> OursRunner:
         """Export `flex` (a quantized copy for `quantize != "none"`) at `capacities` and lower it with XNNPACK."""
-        from ..export.measure import lower_ours
         from ..export.runners import ExecuTorchPrograms
+        from .export_measure import lower_ours
 
         workdir = tempfile.TemporaryDirectory(prefix="flexcache-bench-executorch-")
         path = os.path.join(workdir.name, f"{name}.pte")
@@ -231,7 +231,7 @@ class TransformersRunner(_ProgramRunner):
     def lower(cls, name: str, upstream, capacities: dict) -> TransformersRunner:
         """Export copies of `upstream` with transformers' exporter at batch 1 and `max_batch_size`, lower each with
         XNNPACK."""
-        from ..export.measure import load_upstream_methods, lower_upstream
+        from .export_measure import load_upstream_methods, lower_upstream
 
         workdir = tempfile.TemporaryDirectory(prefix="flexcache-bench-transformers-et-")
         batches = sorted({1, capacities["max_batch_size"]})
@@ -254,7 +254,7 @@ class TransformersRunner(_ProgramRunner):
         return cls(name=name, upstream=upstream, lowering=lowering, workdir=workdir, methods=methods)
 
     def _decode(self, inputs: dict, new_tokens: int, processors: LogitsProcessorList) -> torch.Tensor:
-        from ..export.measure import upstream_generate, upstream_program_batch
+        from .export_measure import upstream_generate, upstream_program_batch
 
         batch_size = next(iter(inputs.values())).shape[0]
         self.batches_seen.add(batch_size)

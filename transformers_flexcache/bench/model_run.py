@@ -36,8 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..compile.gc_heap import Collections, frozen_heap
-from ..compile.quantization import quantize
+from ..compile import Collections, frozen_heap, quantize
 from .executorch import OURS as EXECUTORCH
 from .measure import CallRecord, DecodeStepBytes, ratios, same_prefix_score_diff, summarize
 from .models import BenchModel, build_models
@@ -77,7 +76,7 @@ class ModelResult:
     gc: dict = field(
         default_factory=dict
     )  # the collector during the timed stream (`compile.gc_heap.Collections.summary`)
-    compile_cache: dict | None = None  # what the run found in the compile cache (`compile.warm_start.WarmStart`)
+    compile_cache: dict | None = None  # what the run found in the compile cache (`compile.caching.WarmStart`)
 
     def reference_of(self, name: str) -> str:
         return self.references.get(name, BASELINE)

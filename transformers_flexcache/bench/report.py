@@ -17,7 +17,7 @@ import textwrap
 import torch
 import transformers
 
-from ..compile.cpu import cpu_facts
+from ..compile import cpu_facts
 from .measure import FIGURES
 
 MB = 1e6
@@ -53,7 +53,7 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_b
 def isa_info() -> dict:
     """The CPU's vendor and instruction sets that matter here (`cpu.cpu_facts()`), the kernels the compiled linears
     use (`compile_config_for_cpu`'s `"auto"`) and CTranslate2's compute types on this CPU."""
-    from ..compile.linear_kernels import resolve_int8_linears, resolve_linear_kernels, resolve_one_row_linears
+    from ..compile import resolve_int8_linears, resolve_linear_kernels, resolve_one_row_linears
 
     facts = cpu_facts()
     try:
@@ -86,7 +86,7 @@ def _int8_bits() -> int | None:
         import torchao  # noqa: F401  (quantize needs it)
     except ImportError:
         return None
-    from ..compile.quantization import int8_bits
+    from ..compile import int8_bits
 
     return int8_bits()
 
@@ -577,7 +577,7 @@ def format_model(name: str, model: dict, *, bandwidth: float | None = None) -> s
 
 
 def compile_cache_line(figures: dict) -> str:
-    """What the model's run found in the compile cache and did (`compile.warm_start.WarmStart`'s fields)."""
+    """What the model's run found in the compile cache and did (`compile.caching.WarmStart`'s fields)."""
     found = {"warm": "warm", "cold": "empty", "discarded": f"discarded ({figures.get('reason')})"}[figures["found"]]
     line = (
         f"compile cache: {found}; {figures['hits']} graphs loaded, {figures['misses']} compiled "

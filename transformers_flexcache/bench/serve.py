@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..compile.gc_heap import Collections, frozen_heap
+from ..compile import Collections, frozen_heap
 from .models import BENCH_MODELS, _special_ids, build_models
 from .report import gc_line, machine_info
 from .serve_strategies import STRATEGIES, LoadRequest, Strategy, build_strategies
@@ -268,7 +268,7 @@ def run(args, parser=None) -> int:
     try:
         # The compiled engine's default buckets make 12 decode graphs (`serving/buckets.py`); dynamo keeps 8 of one
         # function by default. Raised for this command only, as `bench` does.
-        from ..compile.runtime import recompile_limits
+        from ..compile import recompile_limits
 
         with recompile_limits(64, 512):
             return _run(args)
@@ -356,7 +356,7 @@ def _run(args) -> int:
 
 def _isa() -> str:
     """The CPU and the vector extensions it has that matter to the figures (AVX2, AVX-512, VNNI, bf16, AMX)."""
-    from ..compile.cpu import cpu_facts
+    from ..compile import cpu_facts
 
     return cpu_facts().describe()
 

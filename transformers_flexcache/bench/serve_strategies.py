@@ -332,7 +332,7 @@ def build_strategies(names, upstream, flex, *, args, max_encoder_len: int) -> li
             if args.quick:  # one graph, traced by dynamo and run eagerly: the path, not the speed
                 compile_config, shapes = _quick_compile_config(), {"shape_policy": "padded"}
             else:
-                from ..compile.config import compile_config_for_cpu  # not imported for the command line's help
+                from ..compile import compile_config_for_cpu  # not imported for the command line's help
 
                 compile_config = compile_config_for_cpu()
                 shapes = {"shape_policy": "bucketed", "buckets": default_buckets(capacities)}  # as `serve --compile`

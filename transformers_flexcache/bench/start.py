@@ -6,7 +6,7 @@ Design decisions:
   restarted server or a new replica runs), on a real-sized random checkpoint of the bench's models saved with a
   word-level tokenizer over its whole vocabulary; `/health` is polled from the moment the process starts. Figures
   per start: seconds until the port answers, until `/health` says ready, until the first request (sent at ready)
-  is answered; the warm-up's graphs traced, loaded from the compile cache and compiled (`compile/warm_start.py`).
+  is answered; the warm-up's graphs traced, loaded from the compile cache and compiled (`compile/caching.py`).
 - The first start's compile cache is a new, empty folder unless `--compile-cache` names one; the second start uses
   the same folder. Inductor's own caches elsewhere are not read (the entry's folder is inductor's cache during the
   warm-up), so a first start is a first start.

@@ -94,7 +94,7 @@ class Strategy:
             return None
         from transformers import CompileConfig
 
-        from ..compile.config import compile_config_for_cpu  # imported here: the command line's help compiles nothing
+        from ..compile import compile_config_for_cpu  # imported here: the command line's help compiles nothing
 
         if device.type == "cpu":
             config = compile_config_for_cpu(freezing=self.freezing)

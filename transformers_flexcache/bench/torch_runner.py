@@ -15,9 +15,7 @@ import time
 import torch
 from transformers import LogitsProcessorList
 
-from ..compile.config import compile_settings
-from ..compile.runtime import compile_seconds, compiled_graph_count
-from ..compile.warmup import warmup
+from ..compile import compile_seconds, compile_settings, compiled_graph_count, warmup
 from .measure import CacheStorageTracker, CallRecord, ForwardTimer, PeakRss, StepTimer, returned_cache, top_margins
 from .strategies import Strategy
 from .stream import NoEndOfSequence

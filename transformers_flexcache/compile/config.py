@@ -9,8 +9,8 @@ Design decisions:
   folded away) and `dynamic=False` (a graph per shape, which the fixed-shape policies bound; a dynamic graph would
   give up the static sizes that make the kernels fast). `fullgraph=True`: a graph break would be a silent slow path.
   `_compile_all_devices`: upstream's generate compiles on accelerators only unless told. The frozen fp32 linears run
-  oneDNN's kernels where MKL has no fast path (CPUs other than Intel's; `compile/linear_kernels.py`): on an AMD EPYC a step
-  at batch 4-8 took a third of the time of MKL's linears.
+  oneDNN's kernels where MKL has no fast path (CPUs other than Intel's; `compile/passes/fp32_linears.py`; what that
+  gains: docs/compile.md).
 - Freezing needs gradients off while compiling, which upstream's `generate` guarantees (`torch.no_grad`), and it must
   be on while dynamo *traces*: dynamo decides then whether parameters become graph constants, reading inductor's
   global `freezing` (torch==2.13.0: `torch._dynamo.utils.is_parameter_freezing`), and `torch.compile(options=...)`
@@ -34,15 +34,16 @@ import contextlib
 import torch
 from transformers import CompileConfig
 
-from .decode_attention import OneQueryAttention, resolve_decode_attention
 from .fx_cache import packed_weights_cacheable
-from .linear_kernels import (
+from .passes import (
     Int8DotExpansion,
     Int8DotProducts,
     Int8FbgemmMatmuls,
     Int8FloatGemms,
     OneDNNLinears,
+    OneQueryAttention,
     OneRowLinears,
+    resolve_decode_attention,
     resolve_int8_linears,
     resolve_linear_kernels,
     resolve_one_row_linears,
@@ -90,7 +91,8 @@ def compile_settings(compile_config: CompileConfig | None):
     """Within this context, the inductor settings of `compile_config.options` that dynamo reads while tracing
     (`TRACE_TIME_OPTIONS`) are in force, as the config asks; the previous values are restored afterwards.
 
-    It patches a global of inductor for the duration: compile (`compile.warmup.warmup()`) before calls run in several threads.
+    It patches a global of inductor for the duration: compile (`compile.warming.warmup()`) before calls run in several
+    threads.
     """
     options = getattr(compile_config, "options", None) or {}
     patch = {name: options[name] for name in TRACE_TIME_OPTIONS if name in options}
@@ -120,11 +122,11 @@ def compile_config_for_cpu(
         fullgraph (`bool`, *optional*, defaults to `True`): fail on a graph break instead of running a slow path.
         linear_kernels (`str`, *optional*, defaults to `"auto"`): the kernels of the frozen fp32 linear layers:
             `"mkl"` (inductor's own choice), `"onednn"`, or `"auto"`: MKL on Intel CPUs, oneDNN on the others (as
-            CTranslate2 chooses). oneDNN is set as an inductor post-grad pass (`OneDNNLinears`).
+            CTranslate2 chooses). oneDNN is set as an inductor pass (`OneDNNLinears`).
         one_row_linears (`str`, *optional*, defaults to `"auto"`): the frozen fp32 linears of a graph of one row (a
             decode step at batch 1): `"inductor"` (a dot product per output that inductor generates, reading the
             weight once: `OneRowLinears`), `"library"` (the `linear_kernels` above), or `"auto"`: inductor's where
-            the CPU is not Intel's. On an AMD EPYC Zen 3 T5's step at batch 1 took 22 ms against oneDNN's 30.
+            the CPU is not Intel's (faster there than either library: docs/compile.md).
         int8_linears (`str`, *optional*, defaults to `"auto"`): the int8 matrix multiplies of a model quantized with
             `quantize(model, "int8")`: `"fbgemm"` (FBGEMM's int8 GEMMs, exact on 7-bit weights, 8-bit with VNNI:
             `Int8FbgemmMatmuls`; decode steps of 1-2 rows as inductor's dot products, but their output layer),
@@ -136,16 +138,15 @@ def compile_config_for_cpu(
             (docs/compile.md, "Routes per CPU").
         decode_attention (`str`, *optional*, defaults to `"auto"`): the attention of a decode step (one query
             position, float32): `"inductor"` (written as products, sums and softmax that inductor generates and fuses:
-            `compile.decode_attention.OneQueryAttention`), `"library"` (torch's flash attention kernel, one call per
-            attention), or `"auto"`: inductor's. On an AMD EPYC Zen 3 the kernel's fixed cost was about 0.7 ms of
-            T5's 12 ms step at batch 1.
+            `compile.passes.decode_attention.OneQueryAttention`), `"library"` (torch's flash attention kernel, one call
+            per attention, whose fixed cost is most of its time at one query), or `"auto"`: inductor's.
         encoder (`bool`, *optional*, defaults to `True`): under a padded or bucketed `flexible_static` policy (and in
             the serving engine), compile an encoder-decoder call's token encoder too, with dynamic shapes
             (`compile/encoder.py`); upstream's generate runs it eagerly.
         step_guards (`str`, *optional*, defaults to `"first"`): `"first"`: a flexible call's compiled decode steps
             check dynamo's guards in full at the call's first step, the later steps only those that tell its graphs
-            apart (`compile.hooks.GuardsOfFirstStep`; 0.4-0.7 ms a step less on T5); `"every"`: every guard at every
-            step, as upstream's generate.
+            apart (`compile.hooks.GuardsOfFirstStep`: thousands of guards less a step); `"every"`: every guard at
+            every step, as upstream's generate.
         **options: inductor settings added to (or replacing) `CPU_INDUCTOR_OPTIONS`, e.g. `cpp_wrapper=True`.
 
     Returns:

@@ -1,56 +1,44 @@
 """What upstream's compiled `generate` runs eagerly in an encoder-decoder call, compiled too: the encoder (one graph
 with dynamic shapes) and the first decoder step (the decode step's own graph).
 
-Design decisions:
+Design decisions (the measurements behind each: docs/compile.md, "Compiling `generate`"):
 - Upstream's `generate` compiles the decode step only: the encoder (and the first decoder step) run eagerly. On CPU
-  the eager encoder is a large part of an encoder-decoder call's first token (a t5-small-sized T5, one row of 40
-  tokens, AMD EPYC Zen 3: encoder 64 ms of a 124 ms first token). A `compile_config` that asks for it
+  the eager encoder is a large part of an encoder-decoder call's first token. A `compile_config` that asks for it
   (`compile_config_for_cpu(encoder=True)`, the default: `FlexCompileConfig.compile_encoder`) compiles the encoder
   with the same settings (frozen weights, oneDNN linears), under a padded or bucketed policy.
 - With dynamic shapes, at the call's own rows and length: the encoder holds no cache, so nothing needs its shapes
-  fixed, and padding costs more than static shapes gain. Measured on that AMD EPYC (T5 encoder, one thread): at equal
-  shapes a static graph is 13-27% faster than eager, but padded to the default buckets (24 and 48 positions; rows 1,
-  4, 8) it gained nothing at one row of 40 tokens (140 against 144 ms first token) and lost at 3 rows of 30 (270
-  against 209 ms: 4 x 48 positions encoded); one dynamic graph: 48.7 against 65.7 ms (1 x 40), 82.2 against 97.7
-  (3 x 30), 234 against 283 (8 x 40), outputs within 4e-6. Dynamo specializes a size of 1: a call of one row gets a
-  graph of its own (`warmup()` compiles both), and an input of one position runs eagerly (no third graph for it);
-  but a packed encoder (below) takes its rows unbacked, one graph for one row and for several.
+  fixed, and padding costs more than static shapes gain: a static graph is faster than eager at equal shapes, but
+  padded to the buckets it encodes positions that a dynamic graph does not. Dynamo specializes a size of 1: a call
+  of one row gets a graph of its own (`warmup()` compiles both), and an input of one position runs eagerly (no third
+  graph for it); but a packed encoder (below) takes its rows unbacked, one graph for one row and for several.
 - Token inputs only (`input_ids`): Whisper's features, Pix2Struct's patches and given `inputs_embeds` stay eager, as
   do calls that ask for the encoder's attentions or hidden states, candidate decoding, continuations given
   `encoder_outputs`, models dispatched by accelerate (`device_map`) and tensor-parallel models.
 - The first decoder step of a compiled fixed-shape call (`first_step_compiles`) differs from the later ones only in
-  that it projects the encoder outputs into the cross-attention keys and values. Those are projected first, eagerly,
-  by each layer's own cross-attention module (`cross_attention_projections`, as the serving engine admits a request
-  and as the exported `encoder` method does), and written with `cross_attention_cache.update`; the step itself is
-  then a decode step, and runs in the compiled decode graph of its shapes (no graph more: the tests count them).
-  Upstream runs the whole first step eagerly. Measured side by side (t5-small-sized T5, bucketed, one thread, AMD
-  EPYC Zen 3), a call's first token: 92 against 116 ms at one row of 40 tokens, 149 against 180 ms at 4 rows of 30,
-  322 against 352 ms at 8 rows of 40; tokens equal. It applies when the decoder prompt is one token (the start
-  token; a longer one, as Whisper's forced tokens, is a prefill of several positions: eager), the cache is fresh (not
-  a continuation), every layer has the projection, the call decodes greedily or samples (upstream's beam search
-  compiles no step), its decode step compiles, and no attentions or hidden states are asked for; candidate decoding
-  and chunked prefill stay eager too.
+  that it projects the encoder outputs into the cross-attention keys and values. Those are projected first, eagerly, by
+  each layer's own cross-attention module (`cross_attention_projections`, as the serving engine admits a request and as
+  the exported `encoder` method does), and written with `cross_attention_cache.update`; the step itself is then a
+  decode step, and runs in the compiled decode graph of its shapes (no graph more: the tests count them). Upstream runs
+  the whole first step eagerly; the compiled one gives the same tokens sooner. It applies when the decoder prompt is
+  one token (the start token; a longer one, as Whisper's forced tokens, is a prefill of several positions: eager), the
+  cache is fresh (not a continuation), every layer has the projection, the call decodes greedily or samples (upstream's
+  beam search compiles no step), its decode step compiles, and no attentions or hidden states are asked for; candidate
+  decoding and chunked prefill stay eager too.
 - For a quantized model (`quantize(model, "int8")`) those projections run compiled too, wherever the encoder
   compiles: one graph of all the layers' projections, with dynamic shapes as the encoder's
   (`cross_attention_projector`; in the serving engine as a request joins, warmed up with the encoder). torchao's
-  eager int8 linear recomputes each weight's row sums at every call: measured (t5-small-sized T5, one thread, AMD
-  EPYC Zen 3), the 6 layers' projections took 8.3 ms compiled against 89.8 eager at 1 x 40 encoder positions, 10.9
-  against 252 at 4 x 30, 18.3 against 666 at 8 x 40. In float32 compiling them gained nothing (4.2 against 3.9 ms at
-  1 x 40, 24.8 against 22.8 at 8 x 40): they stay eager. Their rows are unbacked, as a packed encoder's: one graph
-  for a single row and several (`_CrossAttentionProjections.forward`; its compile saved: 26.3 against 16.3 s for
-  the warm-up's calls, on that T5 and CPU).
+  eager int8 linear recomputes each weight's row sums at every call, many times what the compiled projections take.
+  In float32 compiling them gains nothing: they stay eager. Their rows are unbacked, as a packed encoder's: one
+  graph for a single row and several (`_CrossAttentionProjections.forward`; one compile fewer in a warm-up).
 - On a CPU without VNNI an int8 model's encoder side runs FBGEMM's int8 GEMMs (`compile_config_for_cpu(int8_linears=
-  "auto")`, `compile.linear_kernels.Int8FbgemmMatmuls`), one compile for every size. Under `int8_linears="inductor"` it is
-  compiled twice: with its int8 matrix multiplies as exact float32 GEMMs (`compile.linear_kernels.Int8FloatGemms`) and with
-  oneDNN's int8 linears; a call runs the first for a single row or up to `INT8_FLOAT_GEMM_MAX_ROWS` positions in all,
-  the second beyond (`encoder_graph`). Measured there (compiled T5 encoder, one thread): float GEMMs 27.1 / 45.6 /
-  84.1 / 166.0 ms at 1 / 2 / 4 / 8 rows of 40 tokens, oneDNN's int8 46.9 / 56.2 / 75.6 / 116.7. Warm-ups compile
-  both (`encoder_warmup_calls`).
+  "auto")`, `passes.int8_linears.Int8FbgemmMatmuls`), one compile for every size. Under `int8_linears="inductor"` it is
+  compiled twice: with its int8 matrix multiplies as exact float32 GEMMs (`passes.int8_linears.Int8FloatGemms`) and
+  with oneDNN's int8 linears; a call runs the first for a single row or up to `INT8_FLOAT_GEMM_MAX_ROWS` positions in
+  all, the second beyond (`encoder_graph`), where each is the faster. Warm-ups compile both (`encoder_warmup_calls`).
 - A padded call of several rows runs on its real tokens only where the model's override has a packed encoder
-  (`_flex_encode_packed`: T5, Marian, BART; `compile/packing.py`): its linears, norms and activations skip the padding
-  positions, as CTranslate2's encoder does (`_PackedOrPlain`, `packs_encoder`). Measured (T5, one thread, AMD EPYC
-  Zen 3): 8 rows of 24-48 tokens 195 against 248 ms in float32, 124 against 167 in int8; level with no padding (see
-  docs/compile.md).
+  (`_flex_encode_packed`: T5, Marian, BART; `models/packing.py`): its linears, norms and activations skip the padding
+  positions, as CTranslate2's encoder does (`_PackedOrPlain`, `packs_encoder`): a padded call then costs what the
+  same tokens without padding cost.
 - One compiled encoder (and projection module) per model and config, held beside the model (weakly keyed, as the
   cache pool is: not in the model's `__dict__`, so `copy.deepcopy`, pickling and `torch.save` of the model are
   unaffected).
@@ -69,19 +57,19 @@ from transformers.generation.configuration_utils import GenerationMode
 from ..cache import is_flexible_cache
 from ..cache.placement import cross_attention_projections
 from ..generate.signatures import signature_of
-from .linear_kernels import without_int8_float_gemms
-from .packing import real_positions
+from ..models.packing import real_positions
+from .passes import without_int8_float_gemms
 from .quantization import first_linear_quantized
 
-# An int8 model's compiled encoder side runs float32 GEMMs of its integers (`compile.linear_kernels.Int8FloatGemms`) at up to
-# this many positions in all (rows x positions) or a single row, oneDNN's int8 linears beyond (see the docstring).
+# An int8 model's compiled encoder side runs float32 GEMMs of its integers (`passes.int8_linears.Int8FloatGemms`) at up
+# to this many positions in all (rows x positions) or a single row, oneDNN's int8 linears beyond (see the docstring).
 INT8_FLOAT_GEMM_MAX_ROWS = 128
 
 
 # The float attributes of the encoder's modules (norms' epsilons, dropout rates, embeddings' norm types) as constants
 # of the graph: with dynamic shapes dynamo traced them as symbolic floats, then found it could not keep them so and
-# traced the whole encoder again ("Restarting analysis due to ... _tensorify_python_scalars"): measured on the
-# t5-small-sized T5 (AMD EPYC Zen 4), 10 s of the server's 83 s warm start. They never change between calls.
+# traced the whole encoder again ("Restarting analysis due to ... _tensorify_python_scalars"), seconds of a server's
+# warm start (docs/compile.md, "Warm starts"). They never change between calls.
 def _specialized_floats():
     return torch._dynamo.config.patch(specialize_float=True)
 
@@ -191,9 +179,9 @@ def compiled_encoder(model, compile_config: CompileConfig):
 
 
 def packs_encoder(model) -> bool:
-    """Whether `model`'s compiled encoder runs a padded call on its real tokens only (`compile/packing.py`): its override
-    has `_flex_encode_packed` (T5, Marian, BART), and it runs inference in a type other than float16 (whose layers
-    clamp on a check over every position, padding included)."""
+    """Whether `model`'s compiled encoder runs a padded call on its real tokens only (`models/packing.py`): its
+    override has `_flex_encode_packed` (T5, Marian, BART), and it runs inference in a type other than float16 (whose
+    layers clamp on a check over every position, padding included)."""
     return hasattr(type(model), "_flex_encode_packed") and model.dtype != torch.float16
 
 
@@ -212,9 +200,9 @@ class _PackedEncoder(torch.nn.Module):
 
 
 class _PackedOrPlain:
-    """A model's compiled encoder. Where the model `packs_encoder` (`packed` is not None), a call of two real tokens
-    or more whose only arguments are its tokens and their attention mask (as generate's and the serving engine's)
-    runs `packed` on its real tokens (their positions found eagerly, `compile.packing.real_positions`), its rows unbacked
+    """A model's compiled encoder. Where the model `packs_encoder` (`packed` is not None), a call of two real tokens or
+    more whose only arguments are its tokens and their attention mask (as generate's and the serving engine's) runs
+    `packed` on its real tokens (their positions found eagerly, `models.packing.real_positions`), its rows unbacked
     (`unbacked_rows`): one graph for one row and for several; any other call runs `plain`, the encoder as it is.
 
     Dynamo's duck sizing is off for both: with it, a first call whose rows, length or number of real tokens are
@@ -320,10 +308,10 @@ class _CrossAttentionProjections(torch.nn.Module):
 
 
 def _compiled_once(table: weakref.WeakKeyDictionary, model, compile_config: CompileConfig, module, shape_of):
-    """`torch.compile(module(), **compile_config.to_dict(), dynamic=True)`, held in `table` once per model and
-    config and quantization. For an int8 model whose config writes int8 GEMMs of dynamic
-    rows in float32 (`compile.linear_kernels.Int8FloatGemms`), a second compile without them, and a function that calls one
-    or the other by the rows of the call (`shape_of(*args, **kwargs)` gives its `(batch, positions)`; see `encoder_graph`)."""
+    """`torch.compile(module(), **compile_config.to_dict(), dynamic=True)`, held in `table` once per model and config
+    and quantization. For an int8 model whose config writes int8 GEMMs of dynamic rows in float32
+    (`passes.int8_linears.Int8FloatGemms`), a second compile without them, and a function that calls one or the other
+    by the rows of the call (`shape_of(*args, **kwargs)` gives its `(batch, positions)`; see `encoder_graph`)."""
     quantized = first_linear_quantized(model)  # `quantize` after a float call compiles anew
     held = table.get(model)
     if held is None or held[:2] != (compile_config, quantized):

@@ -7,13 +7,13 @@ Design decisions:
   `CompiledFxGraphConstantsWithGm`): one entry serves any weights of those sizes, and a hit runs on the weights of the
   model at hand. But it refuses every graph that holds an mkldnn-layout tensor (`CacheabilityValidator.check_tensor`:
   "mkldnn tensors unpickleable"), and the packed copies of the weights that freezing makes for MKL and oneDNN are
-  such tensors, frozen constants like the others, never pickled. So no frozen CPU graph was ever cached: measured on
-  an AMD EPYC Zen 4 (t5-small-sized T5, `serve --compile`'s 13 graphs), the second start of a server bypassed the
-  cache 13 times of 13 and took 156 s against the first's 198 (what it reused were the C++ kernels alone).
+  such tensors, frozen constants like the others, never pickled. So no frozen CPU graph was ever cached: a second
+  start of a server bypassed the cache for every graph and reused the C++ kernels alone (docs/performance.md, "Warm
+  starts").
 - `packed_weights_cacheable()`: within it, a frozen mkldnn constant is keyed as the other frozen constants (sizes,
   dtype, device, and its layout); any other mkldnn tensor is still refused, as torch refuses it. The packed copies
   must then exist before the key is taken (a hit runs no pass after it): inductor's own are (freezing makes them),
-  and `linear_kernels.OneDNNLinears` runs before freezing for that reason.
+  and `passes.fp32_linears.OneDNNLinears` runs before freezing for that reason.
 - Scoped, not installed for the process: `compile.config.compile_settings` enters it around every compile of ours
   (with freezing), and the previous functions are back when the last such context exits (`utils/torch_drift.py`
   guards the names).

@@ -3,10 +3,9 @@ collections recorded.
 
 Design decisions:
 - Python's full collections walk every object the collector tracks. A process that holds a compiled model holds
-  about a million (dynamo's and inductor's graphs, guards, sympy expressions, the model's modules: 877,000 after a
-  t5-small-sized T5's bucketed compiled warm-up), and on an AMD EPYC Zen 3, one thread, a full collection there
-  took 520-875 ms (0.01-0.2 ms frozen), stopping whatever request ran then (every thread waits for the
-  interpreter). `gc.freeze()` moves every object alive at that moment into a generation that
+  about a million (dynamo's and inductor's graphs, guards, sympy expressions, the model's modules), and a full
+  collection there takes hundreds of milliseconds (docs/performance.md), stopping whatever request runs then (every
+  thread waits for the interpreter). `gc.freeze()` moves every object alive at that moment into a generation that
   collections skip; what is made later is still collected. vLLM does the same after its start
   (`vllm.utils.gc_utils.freeze_gc_heap`).
 - It collects first: freezing keeps whatever is alive or not yet collected, so garbage frozen would never be freed.

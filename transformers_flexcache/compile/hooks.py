@@ -31,7 +31,7 @@ class GuardsOfFirstStep:
     dtypes, and whatever guard once made dynamo compile another graph).
 
     Why: a decode step of the t5-small-sized T5 holds about 3000 guards (on the model's modules, its config, the
-    cache's attributes), 0.4-0.7 ms a step to check on an AMD EPYC Zen 3, 5-9% of an int8 step. Why it is safe here:
+    cache's attributes), a share of a small step's time worth saving (docs/compile.md). Why it is safe here:
     within one call, step after step, the same model, cache object and arguments reach the graph, with tensors of the
     same shapes (the flexible cache's fixed shapes): what a skipped guard checks is what the first step checked in
     full. A Python value that changed from step to step would make every call recompile at that step, which the

@@ -12,9 +12,9 @@ Design decisions:
   benchmark without either knowing about it. Embeddings, norms and convolutions (Whisper's front end) stay in
   float. An output layer tied to the input embeddings is untied: the embedding keeps its float table, the output
   layer reads int8 (the largest matrix of a decode step).
-- For a compiled step only. torchao's eager int8 linear recomputes each weight's row sums at every call
-  (measured: 44 ms for a 512x32128 output layer at one row, against 0.6 ms compiled), so an eager quantized model
-  is a reference for correctness, not a way to run.
+- For a compiled step only. torchao's eager int8 linear recomputes each weight's row sums at every call (many times
+  the compiled linear's time: docs/compile.md, "int8 on CPU"), so an eager quantized model is a reference for
+  correctness, not a way to run.
 - Refused, with the reason, before anything changes: a mode other than `"int8"`, a model already quantized, a model
   off the CPU (only the CPU path was measured and tested), float16/float64 weights, a model with no `nn.Linear`,
   and a model whose large matrices are not `nn.Linear` (Jamba's experts are fused 3-D parameters, GPT-2-style
@@ -23,16 +23,15 @@ Design decisions:
 - On CPUs without VNNI (AVX2 only, AVX-512 without VNNI), the weights and activations are quantized to 7 bits
   (torchao's `reduce_range`, what torchao's `should_reduce_range` asks for). oneDNN's int8 GEMMs there
   (`onednn.qlinear_pointwise`, what inductor turns the frozen int8 linears into) sum pairs of u8*s8 products in
-  16-bit registers (`vpmaddubsw`), which saturate at full 8-bit ranges (uxlfoundation/oneDNN#717): measured on an
-  AMD EPYC (Zen 3, AVX2): one compiled 512x2048 int8 linear off the eager int8 linear by 2.85 on outputs up to 6.7,
-  the tiny T5's compiled int8 tokens 46% equal to eager int8's. At 7 bits the compiled linear equals the eager one
-  (4.8e-7) and its error against fp32 doubles (0.53 against 0.23 at 8 bits, activations with outliers): reported by
-  `int8_bits()` and the bench's header. CPUs with VNNI or AMX keep 8 bits. On such a CPU oneDNN's int8 linears are
-  also slow (5.35 ms where float32's took 1.07: two 512x2048 linears, one row, compiled, the same AMD EPYC), so
-  under `compile_config_for_cpu(int8_linears="auto")` the compiled graphs run FBGEMM's int8 GEMMs instead, exact on
-  7-bit weights (`compile.linear_kernels.Int8FbgemmMatmuls`: the activations are handed over at scale 1, already quantized
-  per token as torchao quantizes them), and decode steps of 1-2 rows exact int8 dot products that inductor generates
-  (`compile.linear_kernels.Int8DotProducts`); an eager prefill keeps oneDNN's, and `quantize` logs a warning saying so.
+  16-bit registers (`vpmaddubsw`), which saturate at full 8-bit ranges (uxlfoundation/oneDNN#717): the compiled int8
+  linears then differ from the eager ones, and so do the tokens (docs/compile.md, "int8 on CPU"). At 7 bits the
+  compiled linear equals the eager one and its error against fp32 doubles: reported by `int8_bits()` and the bench's
+  header. CPUs with VNNI or AMX keep 8 bits. On such a CPU oneDNN's int8 linears are also slower than float32's,
+  so under `compile_config_for_cpu(int8_linears="auto")` the compiled graphs run FBGEMM's int8 GEMMs instead, exact
+  on 7-bit weights (`passes.int8_linears.Int8FbgemmMatmuls`: the activations are handed over at scale 1, already
+  quantized per token as torchao quantizes them), and decode steps of 1-2 rows exact int8 dot products that inductor
+  generates (`passes.int8_linears.Int8DotProducts`); an eager prefill keeps oneDNN's, and `quantize` logs a warning
+  saying so.
 - torchao's `set_inductor_config` is turned off: it would change inductor's global settings for the whole process.
 - Compiled graphs of the model from before are dropped (upstream's cached compiled call): frozen graphs hold the
   float weights as constants and would keep running them.

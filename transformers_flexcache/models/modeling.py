@@ -19,7 +19,7 @@ from torch import nn
 from transformers.modeling_utils import PreTrainedModel
 from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
 
-from ..compile.hooks import COMPILE_HOOKS
+from ..compile import COMPILE_HOOKS
 from ..generate.hooks import ForwardingCache
 from ..generate.mixin import FlexCacheGenerationMixin
 from ..generate.request import normalize_saved_form

@@ -12,9 +12,9 @@ Design decisions:
   counts the graphs on the terminal), so that no request pays a compile; each combination of buckets is one graph.
   Without `--buckets`, the engine's default buckets (`serving/buckets.py`: one seat and half the seats, half of each
   length; 12 graphs at most).
-- `--compile-cache DIR` (default: the user's cache directory, `compile.warm_start.default_cache_dir()`; `none` for
+- `--compile-cache DIR` (default: the user's cache directory, `compile.caching.default_cache_dir()`; `none` for
   none): the graphs compiled by an earlier start with the same model, shapes, settings, versions and CPU are loaded
-  instead of compiled, and a first start's are written there (`compile/warm_start.py`).
+  instead of compiled, and a first start's are written there (`compile/caching.py`).
 - Once the engine is built and warmed up, the garbage collector's heap is frozen (`compile.gc_heap.freeze_heap`, as vLLM
   does after its start): a full collection would otherwise walk the compiled graphs and the model (0.1-1 s on the
   benchmark's CPU) while requests wait. Objects made while serving are still collected.
@@ -30,7 +30,7 @@ import signal
 import sys
 import threading
 
-from ..compile.gc_heap import freeze_heap
+from ..compile import freeze_heap
 from ..serving.buckets import default_buckets
 
 DEFAULT_MAX_BATCH_SIZE = 8
@@ -188,7 +188,7 @@ def engine_cache_config(args, config) -> dict:
 def compile_cache_dir(args):
     """The compile cache folder of the flags: `--compile-cache`, the default one, or None (`none`, or no
     `--compile`)."""
-    from ..compile.warm_start import default_cache_dir
+    from ..compile import default_cache_dir
 
     if not args.compile or (args.compile_cache or "").lower() == "none":
         return None
@@ -198,8 +198,7 @@ def compile_cache_dir(args):
 def build_engine(args, model, tokenizer):
     """The engine of the flags; under `--compile` with dynamo's limits raised to its decode shapes (the warm-up runs
     once the server is up: `warmup_of`)."""
-    from .. import compile_config_for_cpu
-    from ..compile.runtime import raise_recompile_limits
+    from ..compile import compile_config_for_cpu, raise_recompile_limits
     from ..serving import Engine
 
     compile_config = compile_config_for_cpu() if args.compile else None

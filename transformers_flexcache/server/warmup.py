@@ -9,7 +9,7 @@ Design decisions:
 - A failed warm-up is the server's end: `/health` says `"failed"` with the error, requests get 503, and `on_done`
   (the command's) stops the server with exit status 1.
 - The thread is a daemon: a server stopped while warming up exits without waiting for the compile; the compile
-  cache then keeps nothing of that warm-up (`compile/warm_start.py`: no manifest, its files removed at the next
+  cache then keeps nothing of that warm-up (`compile/caching.py`: no manifest, its files removed at the next
   start).
 """
 

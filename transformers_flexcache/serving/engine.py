@@ -38,11 +38,15 @@ from ..cache import layer_specs_for_model
 from ..cache.capacity import exceeding
 from ..cache.config import overflow_message
 from ..cache.seats import FlexibleSeatCache, FlexibleSeatEncoderDecoderCache
-from ..compile.encoder import encoder_warmup_calls
-from ..compile.quantization import check_compiled_int8
-from ..compile.runtime import RECOMPILE_LIMIT_NAME, recompile_limit
-from ..compile.warm_start import compile_cache, model_facts
-from ..compile.warmup import explained_recompile_limit
+from ..compile import (
+    RECOMPILE_LIMIT_NAME,
+    check_compiled_int8,
+    compile_cache,
+    encoder_warmup_calls,
+    explained_recompile_limit,
+    model_facts,
+    recompile_limit,
+)
 from ..generate.policies import POLICIES
 from .handle import EngineClosedError, QueueFullError, RequestCancelledError, RequestHandle
 from .lockstep import HEARTBEAT_S, StepPlan, share, tensor_parallel_rank
@@ -120,9 +124,7 @@ class Engine:
             compile_config=compile_config,
             on_admitted=self._admitted,
         )
-        self.warm_start = (
-            None  # what warmup(cache_dir=...) found in the compile cache (`compile.warm_start.WarmStart`)
-        )
+        self.warm_start = None  # what warmup(cache_dir=...) found in the compile cache (`compile.caching.WarmStart`)
 
         self._lock = threading.Condition()
         self._queue: deque[RequestSpec] = deque()
@@ -270,7 +272,7 @@ class Engine:
         """Compile the decode step at every shape the policy can give, before serving; returns how many.
 
         Args:
-            cache_dir (`str | os.PathLike`, *optional*): a compile cache folder (`compile/warm_start.py`): the graphs
+            cache_dir (`str | os.PathLike`, *optional*): a compile cache folder (`compile/caching.py`): the graphs
                 that an earlier process compiled for this model, shapes, settings, versions and CPU are loaded
                 instead of compiled, and this warm-up's are written back. `warm_start` says what it found.
             progress (`Callable[[int, int], None]`, *optional*): called with (graphs done, graphs in all) before the

@@ -32,8 +32,7 @@ import torch
 from transformers.modeling_outputs import BaseModelOutput, CausalLMOutputWithPast, Seq2SeqLMOutput
 
 from ..cache.placement import KEY_PROJECTION_NAMES, attention_modules, cross_attention_projections
-from ..compile.config import compile_settings
-from ..compile.encoder import compiled_encoder, cross_attention_projector, encoder_compiles
+from ..compile import compile_settings, compiled_encoder, cross_attention_projector, encoder_compiles
 from ..generate.policies import POLICIES
 from .requests import pad_token_id_of
 from .worker import RequestWorker

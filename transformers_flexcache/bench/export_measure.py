@@ -1,6 +1,6 @@
 """Measurements of export: lowering time and decoding speed of our `.pte` against eager PyTorch and transformers' exporter.
 
-`python -m transformers_flexcache.export.measure --models t5 llama --json measure.json` prints a table and writes the
+`python -m transformers_flexcache.bench.export_measure --models t5 llama --json measure.json` prints a table and writes the
 figures as JSON; `measure_model(name, ...)` returns them, for the benchmark to call.
 
 Design decisions:
@@ -543,7 +543,7 @@ def _table(results: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m transformers_flexcache.export.measure", description=__doc__.split("\n")[0]
+        prog="python -m transformers_flexcache.bench.export_measure", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--models", nargs="+", choices=tuple(REAL_SIZED), default=["t5", "llama"])
     parser.add_argument("--quantize", nargs="+", choices=("none", "8da4w", "int8"), default=["none", "8da4w"])

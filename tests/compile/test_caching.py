@@ -1,4 +1,4 @@
-"""`compile.warm_start`: a compile cache entry written by one compile and loaded by the next, whose graphs run on the
+"""`compile.caching`: a compile cache entry written by one compile and loaded by the next, whose graphs run on the
 weights of the model at hand; an entry that does not check out (changed, partial, unloadable) is discarded with a
 warning and compiled anew, never loaded; the key changes with the CPU and the versions.
 
@@ -17,7 +17,7 @@ import torch
 
 from tests.helpers import assert_within_float_noise, in_double
 from transformers_flexcache import compile_config_for_cpu
-from transformers_flexcache.compile import cpu, warm_start
+from transformers_flexcache.compile import caching, cpu
 from transformers_flexcache.compile.config import compile_settings
 
 FACTS = {"test": "two linears"}
@@ -28,13 +28,13 @@ def two_linears(seed: int) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16)).eval()
 
 
-def compile_in(directory, seed: int = 0) -> warm_start.WarmStart:
+def compile_in(directory, seed: int = 0) -> caching.WarmStart:
     """One compile of `two_linears(seed)` at 3 rows in the compile cache `directory`, as a new process would (dynamo
     reset); its outputs checked against the eager model's. Returns what the cache said."""
     torch._dynamo.reset()
     model, inputs = two_linears(seed), torch.randn(3, 16)
     config = compile_config_for_cpu()
-    with warm_start.compile_cache(directory, FACTS) as state, torch.no_grad(), compile_settings(config):
+    with caching.compile_cache(directory, FACTS) as state, torch.no_grad(), compile_settings(config):
         compiled = torch.compile(model, backend="inductor", dynamic=False, options=config.options)
         assert_within_float_noise(compiled(inputs), model(inputs), in_double(model)(inputs.double()))
     torch._dynamo.reset()
@@ -87,9 +87,9 @@ def _unloadable_artifacts(entry):
     # a well-formed file of ours, listed with its checksum, whose contents torch's loader refuses
     payload = b"not torch's artifacts"
     path = entry / "artifacts.bin"
-    path.write_bytes(warm_start.MAGIC + warm_start.hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload)
+    path.write_bytes(caching.MAGIC + caching.hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload)
     manifest = json.loads((entry / "manifest.json").read_text())
-    manifest["files"]["artifacts.bin"] = {"bytes": path.stat().st_size, "sha256": warm_start._sha256(path)}
+    manifest["files"]["artifacts.bin"] = {"bytes": path.stat().st_size, "sha256": caching._sha256(path)}
     (entry / "manifest.json").write_text(json.dumps(manifest))
 
 
@@ -109,7 +109,7 @@ def test_an_entry_that_does_not_check_out_is_discarded_with_a_warning_and_compil
 ):
     directory, entry = copied
     damage(entry)
-    with caplog.at_level(logging.WARNING, logger="transformers_flexcache.compile.warm_start"):
+    with caplog.at_level(logging.WARNING, logger="transformers_flexcache.compile.caching"):
         state = compile_in(directory)  # outputs checked: never the damaged graph
     assert state.found == "discarded" and reason in state.reason
     assert state.hits == 0 and state.misses == 1
@@ -119,16 +119,16 @@ def test_an_entry_that_does_not_check_out_is_discarded_with_a_warning_and_compil
 
 
 def test_the_key_changes_with_the_cpu_s_instruction_sets_and_the_versions(monkeypatch):
-    key = warm_start.cache_key(warm_start.environment_facts())
+    key = caching.cache_key(caching.environment_facts())
     with cpu.forced(vnni=not cpu.cpu_facts().vnni):  # kernels built for one CPU must not load on another
-        assert warm_start.cache_key(warm_start.environment_facts()) != key
+        assert caching.cache_key(caching.environment_facts()) != key
     monkeypatch.setattr(torch, "__version__", "0.0.0")
-    assert warm_start.cache_key(warm_start.environment_facts()) != key
+    assert caching.cache_key(caching.environment_facts()) != key
 
 
 def test_the_default_folder_is_under_the_user_s_cache_directory(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert warm_start.default_cache_dir() == tmp_path / "transformers-flexcache" / "compile"
+    assert caching.default_cache_dir() == tmp_path / "transformers-flexcache" / "compile"
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert warm_start.default_cache_dir() == tmp_path / "home" / ".cache" / "transformers-flexcache" / "compile"
+    assert caching.default_cache_dir() == tmp_path / "home" / ".cache" / "transformers-flexcache" / "compile"

@@ -1,4 +1,4 @@
-"""`compile.decode_attention.OneQueryAttention`: a compiled decode step's attention (one query position) as inductor's loops.
+"""`compile.passes.decode_attention.OneQueryAttention`: a compiled decode step's attention (one query position) as inductor's loops.
 
 The oracle is eager SDPA on the same inputs; the profile tells whether torch's flash attention kernel still runs.
 Generate-level equality with DynamicCache under `compile_config_for_cpu()` (which runs the pass) is tested with the
@@ -14,8 +14,7 @@ import torch.nn.functional as F
 from tests.helpers import assert_within_float_noise
 from transformers_flexcache import compile_config_for_cpu
 from transformers_flexcache.compile.config import compile_settings
-from transformers_flexcache.compile.decode_attention import OneQueryAttention
-from transformers_flexcache.compile.linear_kernels import OneRowLinears
+from transformers_flexcache.compile.passes import OneQueryAttention, OneRowLinears
 
 FLASH = "aten::_scaled_dot_product_flash_attention_for_cpu"
 

@@ -20,8 +20,8 @@ from transformers.generation.stopping_criteria import StoppingCriteria, Stopping
 from ..cache import CacheConfig
 from ..generate.policies import POLICIES
 from ..generate.request import FLEXIBLE_STATIC
+from .caching import compile_cache, model_facts
 from .encoder import encoder_graph, encoder_warmup_calls, has_int8_variants
-from .warm_start import compile_cache, model_facts
 
 # Forwards of each warm-up call: the first, one decode step that compiles, one that records CUDA graphs.
 WARMUP_FORWARDS = 3
@@ -73,7 +73,7 @@ def warmup(
             its capacities set.
         compile_config (`CompileConfig`, *optional*): what the served calls pass; None when `model.forward` is
             compiled already.
-        cache_dir (`str | os.PathLike`, *optional*): a compile cache folder (`compile/warm_start.py`, whose
+        cache_dir (`str | os.PathLike`, *optional*): a compile cache folder (`compile/caching.py`, whose
             `default_cache_dir()` is the user's): the graphs that an earlier process compiled for this model, shapes,
             settings, versions and CPU are loaded instead of compiled, and this warm-up's are written back. None:
             inductor's own cache only.

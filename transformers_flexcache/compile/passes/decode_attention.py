@@ -3,9 +3,9 @@
 Design decisions:
 - A decode step attends from one new position per row to the cached ones. Compiled on CPU, each attention is a call
   to torch's flash attention kernel (`aten._scaled_dot_product_flash_attention_for_cpu`, torch==2.13.0), which
-  inductor leaves as an external call: for T5's 8 heads of 64 over 13 or 48 cached positions the arithmetic is tens
-  of thousands of products, and the call's fixed cost (blocking, buffers, its parallel loop) is most of its time:
-  about 60 us, 12 calls a step (self- and cross-attention of 6 layers), about 0.7 ms of a 12 ms step at one row.
+  inductor leaves as an external call: for T5's 8 heads of 64 over tens of cached positions the arithmetic is tens
+  of thousands of products, and the call's fixed cost (blocking, buffers, its parallel loop) is most of its time,
+  paid twice a layer (self- and cross-attention).
 - `OneQueryAttention`, an inductor post-grad pass (`compile_config_for_cpu(decode_attention=...)`), writes each such
   attention as the operations it stands for: the scores as a product and a sum over the head dimension, the scale,
   the mask (added, as the kernel adds it: a boolean mask reaches the kernel as 0 and -inf), softmax (a maximum,
@@ -16,11 +16,8 @@ Design decisions:
   query's heads (grouped-query attention is left to the kernel), no dropout, not causal (a causal flag with one
   query is top-left aligned in SDPA: the kernel keeps it), and only the output used (not its log-sum-exp). Everything
   else, prefill and encoder attention included, stays the kernel's.
-- The outputs differ from the kernel's in rounding only (its blocked sums against inductor's): the attention alone
-  within 4e-7 at the bench's shapes, whole-model scores within 1.2e-4, tokens equal (docs/compile.md).
-- Measured on an AMD EPYC Zen 3, one thread, the attention alone compiled (8 heads of 64, float mask): 53.9 against
-  87.5 us at one row over 13 positions, 57.3 against 89.1 over 48, 278.8 against 311.7 over 1500 (Whisper's
-  encoder length); at 8 rows 70.7 against 125.8 (13), 5332 against 5604 (1500). Whole calls: docs/compile.md.
+- The outputs differ from the kernel's in rounding only (its blocked sums against inductor's); tokens equal. The
+  differences and the times, of the attention alone and of whole calls: docs/compile.md.
 """
 
 from __future__ import annotations
@@ -30,7 +27,7 @@ import operator
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from .linear_kernels import _call, _same_type, _type_hash, _uuid
+from .nodes import call_node, pass_uuid, same_type, type_hash
 
 DECODE_ATTENTION = ("auto", "inductor", "library")
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -56,9 +53,9 @@ class OneQueryAttention(CustomGraphPass):
             if node.op == "call_function" and node.target is _FLASH and _one_query(node):
                 _replace(graph, node)
 
-    uuid = _uuid  # this file's hash
-    __eq__ = _same_type
-    __hash__ = _type_hash
+    uuid = pass_uuid  # this file's hash
+    __eq__ = same_type
+    __hash__ = type_hash
 
 
 def _arguments(node: torch.fx.Node) -> tuple:
@@ -100,7 +97,7 @@ def _replace(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
         scale = query_value.shape[-1] ** -0.5
 
     def call(target, *args):
-        return _call(graph, fake_mode, target, *args)
+        return call_node(graph, fake_mode, target, *args)
 
     with graph.inserting_before(node):
         # scores [B, H, 1, S]: the query [B, H, 1, D] times each key [B, H, S, D], summed over D

@@ -1,4 +1,4 @@
-"""`compile.linear_kernels`: the inductor passes that run a frozen step's linears on oneDNN, as dot products at one row,
+"""`compile.passes.fp32_linears`: the inductor passes that run a frozen step's linears on oneDNN, as dot products at one row,
 and share one packed copy of each weight between graphs; outputs within the float noise of the eager ones.
 """
 
@@ -12,8 +12,8 @@ from tests.helpers import (
     in_double,
 )
 from transformers_flexcache import compile_config_for_cpu
-from transformers_flexcache.compile import linear_kernels
 from transformers_flexcache.compile.config import compile_settings
+from transformers_flexcache.compile.passes import fp32_linears
 
 
 @pytest.fixture(autouse=True)
@@ -83,8 +83,8 @@ def test_onednn_pass_runs_the_frozen_linears_on_onednn_with_the_eager_outputs():
 def test_graphs_of_different_rows_share_one_onednn_copy_of_each_weight_packed_anew_once_it_changes(monkeypatch):
     # Each frozen graph held a packed copy of every weight of its own: a model compiled at several shapes held as many
     # copies of its weights as graphs. One copy now serves all graphs of several rows; a changed weight is repacked.
-    shared = linear_kernels.SharedOneDNNWeights()
-    monkeypatch.setattr(linear_kernels, "ONEDNN_WEIGHTS", shared)
+    shared = fp32_linears.SharedOneDNNWeights()
+    monkeypatch.setattr(fp32_linears, "ONEDNN_WEIGHTS", shared)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8, bias=False)).eval()
     config = compile_config_for_cpu(linear_kernels="onednn", one_row_linears="library", int8_linears="library")
@@ -101,7 +101,7 @@ def test_graphs_of_different_rows_share_one_onednn_copy_of_each_weight_packed_an
 
 
 def test_shared_onednn_copies_serve_every_row_count_but_one_and_live_as_long_as_a_graph_holds_them():
-    shared = linear_kernels.SharedOneDNNWeights()
+    shared = fp32_linears.SharedOneDNNWeights()
     weight = torch.randn(24, 16)
     several = shared.packed(weight, 2)
     assert shared.packed(weight, 8) is several and shared.packed(weight, None) is several

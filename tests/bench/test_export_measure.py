@@ -1,4 +1,4 @@
-"""`export/measure.py`'s stream and Whisper comparison (the real-sized measurement itself takes minutes)."""
+"""`bench/export_measure.py`'s stream and Whisper comparison (the real-sized measurement itself takes minutes)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from transformers import SuppressTokensAtBeginLogitsProcessor, SuppressTokensLogitsProcessor
 
 from tests.model_cases import WHISPER
-from transformers_flexcache.export.measure import REAL_SIZED, _suppressing_processors, stream
+from transformers_flexcache.bench.export_measure import REAL_SIZED, _suppressing_processors, stream
 
 
 @pytest.mark.parametrize("name", sorted(REAL_SIZED))

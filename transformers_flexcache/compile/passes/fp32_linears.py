@@ -1,0 +1,272 @@
+"""Which CPU kernels run the frozen fp32 linear layers of a compiled step: MKL's (inductor's choice), oneDNN's, or
+dot products that inductor generates for a step of one row.
+
+Design decisions (the measurements behind each: docs/compile.md, "Compiling `generate`" and "Why the compile wing
+chooses as it does"):
+- With `freezing=True`, inductor prepacks each fp32 linear for MKL (`mkl._mkl_linear`) on x86, and for oneDNN
+  (`mkldnn._linear_pointwise`) only for bf16/fp16 weights (torch==2.13.0, `fx_passes/mkldnn_fusion.py`). MKL runs its
+  fast paths on Intel CPUs only; on other CPUs oneDNN's linears read the weights at the memory's bandwidth where
+  MKL's do not. CTranslate2 makes the same choice (MKL only on GenuineIntel CPUs, oneDNN elsewhere: `mayiuse_mkl` in
+  its `src/cpu/backend.cc`), and so does `"auto"` here.
+- The change is an inductor pass (`OneDNNLinears`), handed to the compile through `compile_config_for_cpu`'s options:
+  nothing global is patched, and inductor's on-disk cache keys on the pass (`uuid`). It runs before freezing, which
+  folds oneDNN's packed copy of each weight into the graph, one copy for all the graphs compiled on that weight
+  (`SharedOneDNNWeights`); the graph then calls oneDNN's linear, as inductor itself does for bf16 weights. Linears on
+  anything but a parameter are left alone.
+- At one row (a decode step of one sequence) a linear is a matrix-vector product bound by reading the weight; there
+  both libraries read it more slowly than a plain vectorized dot product does. `OneRowLinears` makes that rewrite,
+  after freezing; at two rows or more it would read the weight once per row, so it is for one row only. `"auto"`
+  applies it where the CPU is not Intel's; on Intel CPUs (MKL) it is not measured yet.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._prims_common import make_contiguous_strides_for
+
+from ..cpu import cpu_facts
+from .nodes import LIBRARY, call_node, pass_uuid, replace_node, same_type, type_hash
+
+LINEAR_KERNELS = ("auto", "onednn", "mkl")
+ONE_ROW_LINEARS = ("auto", "inductor", "library")
+
+
+def resolve_linear_kernels(linear_kernels: str) -> str:
+    """`"onednn"` or `"mkl"` for `linear_kernels`: `"auto"` is MKL on Intel CPUs, oneDNN on the others.
+
+    Raises:
+        ValueError: `linear_kernels` is not one of `LINEAR_KERNELS`.
+    """
+    return _resolve("linear_kernels", linear_kernels, LINEAR_KERNELS, on_intel="mkl", elsewhere="onednn")
+
+
+def resolve_one_row_linears(one_row_linears: str) -> str:
+    """`"inductor"` or `"library"` for `one_row_linears`: `"auto"` is inductor's dot products where the CPU is not
+    Intel's (faster there: docs/compile.md) and the library's kernel (MKL) on Intel CPUs (not measured yet).
+
+    Raises:
+        ValueError: `one_row_linears` is not one of `ONE_ROW_LINEARS`.
+    """
+    return _resolve("one_row_linears", one_row_linears, ONE_ROW_LINEARS, on_intel="library", elsewhere="inductor")
+
+
+def _resolve(name: str, value: str, choices: tuple[str, ...], *, on_intel: str, elsewhere: str) -> str:
+    """`value`, with `"auto"` resolved by the CPU's vendor; refuses a value outside `choices`."""
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not one of {choices}")
+    if value == "auto":
+        return on_intel if cpu_facts().is_intel else elsewhere
+    return value
+
+
+def _frozen_mkl_linears(graph: torch.fx.Graph):
+    """`(node, (input, packed weight, weight, bias, batch_size))` for each MKL-packed frozen linear of `graph`:
+    `mkl._mkl_linear(input [..., K], mkl_packed_weight, origin_weight [N, K], bias [N] or None, batch_size)`, whose
+    packed and original weights are constants (`get_attr`)."""
+    for node in list(graph.nodes):
+        if node.target not in (torch.ops.mkl._mkl_linear, torch.ops.mkl._mkl_linear.default):
+            continue
+        inputs, packed, weight, bias, batch_size = node.args
+        if weight.op == "get_attr" and packed.op == "get_attr":
+            yield node, (inputs, packed, weight, bias, batch_size)
+
+
+def _free_unused(graph: torch.fx.Graph, targets: set) -> None:
+    """Drops the dead nodes of `graph`, then those of the constants `targets` that no node reads any more (MKL's
+    packed copies): freed rather than kept beside what replaced them."""
+    if not targets:
+        return
+    graph.eliminate_dead_code()
+    used = {node.target for node in graph.nodes if node.op == "get_attr"}
+    for target in targets - used:
+        delattr(graph.owning_module, target)
+
+
+class SharedOneDNNWeights:
+    """oneDNN's packed copies of frozen weights, one per weight for all the graphs compiled on it.
+
+    Every graph that freezing compiles holds its own constants: a model compiled at several shapes (a bucketed policy's
+    decode graphs, a padded policy's, a server's twelve) held one packed copy of its linears' weights per graph, as
+    much memory as the weights each time. `packed(weight, batch_size)` returns the copy packed for an earlier graph
+    where that copy still lives (held by a graph, weakly here) and holds the same values (checked exactly, on its
+    unpacked values: a weight changed in place, or a new tensor at a freed address, is packed anew), and packs a new
+    one otherwise.
+
+    One copy serves every number of rows but one: oneDNN packs a weight for one row (`batch_size == 1`) in another
+    layout, slower at several rows, and for any other row count in a layout that runs any number of rows from 2 at the
+    same speed with the same outputs, bit for bit (measured, with the memory this saves: docs/compile.md).
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._copies: dict[tuple, weakref.ReferenceType] = {}
+        self.packs = 0  # copies packed so far
+
+    def packed(self, weight: torch.Tensor, batch_size) -> torch.Tensor:
+        key = (weight.data_ptr(), tuple(weight.shape), weight.stride(), weight.dtype, weight.device, batch_size == 1)
+        with self._lock:
+            reference = self._copies.get(key)
+            copy_ = reference() if reference is not None else None
+            if copy_ is not None and torch.equal(copy_.to_dense(), weight):
+                return copy_
+            copy_ = torch.ops.mkldnn._reorder_linear_weight(weight, batch_size)
+            self.packs += 1
+            self._copies = {k: r for k, r in self._copies.items() if r() is not None}
+            self._copies[key] = weakref.ref(copy_)
+            return copy_
+
+    def __len__(self) -> int:
+        """The packed copies alive."""
+        with self._lock:
+            return sum(reference() is not None for reference in self._copies.values())
+
+
+ONEDNN_WEIGHTS = SharedOneDNNWeights()
+
+
+def _onednn_packed_weight(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """`transformers_flexcache::onednn_packed_weight`: oneDNN's packed copy of a linear's `weight` ([N, K]) for
+    `rows` rows (0: any number), the one copy shared by every graph (`SharedOneDNNWeights`). Freezing folds it into a
+    constant of the graph (`OneDNNLinears`)."""
+    return ONEDNN_WEIGHTS.packed(weight, rows or None)
+
+
+LIBRARY.define("onednn_packed_weight(Tensor weight, int rows) -> Tensor")
+LIBRARY.impl("onednn_packed_weight", _onednn_packed_weight, "CPU")
+
+
+@torch.library.register_fake("transformers_flexcache::onednn_packed_weight")
+def _(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.empty_like(weight)  # oneDNN's copy has the weight's sizes (its layout is its own)
+
+
+onednn_packed_weight = torch.ops.transformers_flexcache.onednn_packed_weight.default
+
+
+class OneDNNLinears(CustomGraphPass):
+    """Inductor joint-graph pass (before freezing): every fp32 linear on a parameter (`aten.mm(x [M, K], permute(w
+    [N, K], [1, 0]))`, `aten.addmm(b, x, permute(w, [1, 0]))`) becomes oneDNN's (`mkldnn._linear_pointwise`) on
+    `onednn_packed_weight(w, M)`, which freezing folds into a constant: oneDNN's packed copy, one per weight for all
+    graphs (`SharedOneDNNWeights`). Linears of one static row are left to `OneRowLinears` where `one_row` says it
+    takes them (inductor packs those for MKL, as it packs every linear it is given).
+
+    Before freezing, not after (torch==2.13.0: inductor's own packing, `mkldnn_fusion.py`, would pack them for MKL
+    first): so the frozen graph that inductor's FX graph cache keys on already holds the packed copies as frozen
+    constants, which the cache keys by their sizes and takes from the graph at a hit (`compile.fx_cache`); a pass
+    after freezing adds constants that a hit never makes.
+
+    Instances with the same `one_row` are equal, so that two `compile_config_for_cpu()` configs compare equal
+    (upstream's generate keeps its compiled call while the config does not change).
+    """
+
+    def __init__(self, *, one_row: bool = True):
+        self.one_row = one_row
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        weights = _parameter_placeholders(graph)
+        for node in list(graph.nodes):
+            matched = _fp32_linear(node, weights)
+            if matched is None:
+                continue
+            inputs, weight, bias = matched
+            rows = inputs.meta["val"].shape[0]
+            if rows == 1 and not self.one_row:
+                continue
+            fake_mode = torch._guards.detect_fake_mode([inputs.meta["val"]])
+            packed_rows = rows if isinstance(rows, int) else 0
+            with graph.inserting_before(node):
+                packed = call_node(graph, fake_mode, onednn_packed_weight, weight, packed_rows)
+            linear = torch.ops.mkldnn._linear_pointwise.default
+            replace_node(graph, node, call_node, graph, fake_mode, linear, inputs, packed, bias, "none", [], "")
+
+    def uuid(self) -> str:
+        return f"{pass_uuid(self)}-{self.one_row}"
+
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self) and other.one_row == self.one_row
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.one_row))
+
+
+def _parameter_placeholders(graph: torch.fx.Graph) -> set:
+    """The placeholders of `graph` that freezing makes constants: the parameters and buffers that AOT autograd lifted
+    (the first inputs, `TracingContext.params_flat`), not mutated; empty outside a compile."""
+    context = torch._guards.TracingContext.try_get()
+    params = getattr(context, "params_flat", None) if context is not None else None
+    if not params:
+        return set()
+    placeholders = graph.find_nodes(op="placeholder")[: len(params)]
+    metadata = getattr(context, "fw_metadata", None)
+    mutated = set(getattr(metadata, "mutated_inp_runtime_indices", None) or ())
+    return {node for index, node in enumerate(placeholders) if index not in mutated}
+
+
+def _fp32_linear(node: torch.fx.Node, weights: set):
+    """`(x, w, b or None)` where `node` is `aten.mm(x [M, K], permute(w, [1, 0]))` or `aten.addmm(b [N], x,
+    permute(w, [1, 0]))` (no scaling) on float32 tensors with `w` [N, K] among `weights`; None otherwise."""
+    if node.target is torch.ops.aten.mm.default and not node.kwargs:
+        bias, (inputs, transposed) = None, node.args
+    elif node.target is torch.ops.aten.addmm.default and not node.kwargs:
+        bias, inputs, transposed = node.args
+        if not isinstance(bias, torch.fx.Node) or bias.meta["val"].dim() != 1:
+            return None
+    else:
+        return None
+    if transposed.target is not torch.ops.aten.permute.default or list(transposed.args[1]) != [1, 0]:
+        return None
+    weight = transposed.args[0]
+    if weight not in weights or inputs.meta["val"].dtype != torch.float32:
+        return None
+    if weight.meta["val"].dtype != torch.float32 or weight.meta["val"].dim() != 2:
+        return None
+    return inputs, weight, bias
+
+
+class OneRowLinears(CustomGraphPass):
+    """Inductor post-grad pass: a frozen fp32 linear of one row (`mkl._mkl_linear` with `batch_size == 1`: a decode
+    step of one sequence) becomes a multiply and a sum over the input features, which inductor generates as one
+    vectorized dot product per output, reading the weight ([N, K], contiguous) once, row by row.
+
+    The input is stored in a buffer of its own first (`prims.inductor_force_stride_order`, which inductor realizes).
+    Left to itself, inductor fuses the pointwise work that makes the input (a norm, the residual sums) into the dot
+    products and recomputes it for every output: the inner loop of T5's output layer loaded six vectors and ran a
+    dozen vector operations per eight weights, where it now loads the weights and the stored input, multiplies and
+    adds. The same operations on the same values: the outputs are unchanged, bit for bit (what storing the input
+    saves a step: docs/compile.md).
+
+    Run before `OneDNNLinears` (which takes the other linears). Every instance is equal, as for `OneDNNLinears`.
+    """
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        module = graph.owning_module
+        replaced = set()
+        for node, (inputs, packed, weight, bias, batch_size) in _frozen_mkl_linears(graph):
+            value = getattr(module, weight.target)
+            if batch_size != 1 or not value.is_contiguous() or value.shape[-1] != inputs.meta["val"].shape[-1]:
+                continue
+            fake_mode = torch._guards.detect_fake_mode([inputs.meta["val"]])
+            with graph.inserting_before(node):
+                # The input stored once (see the docstring), contiguous
+                strides = make_contiguous_strides_for(inputs.meta["val"].shape)
+                stored = call_node(
+                    graph, fake_mode, torch.ops.prims.inductor_force_stride_order.default, inputs, strides
+                )
+                # [..., K] -> [..., 1, K] * [N, K] -> [..., N, K] -> sum over K -> [..., N]
+                row = call_node(graph, fake_mode, torch.ops.aten.unsqueeze.default, stored, -2)
+                products = call_node(graph, fake_mode, torch.ops.aten.mul.Tensor, row, weight)
+                out = call_node(graph, fake_mode, torch.ops.aten.sum.dim_IntList, products, [-1])
+                if bias is not None:
+                    out = call_node(graph, fake_mode, torch.ops.aten.add.Tensor, out, bias)
+            node.replace_all_uses_with(out)
+            graph.erase_node(node)
+            replaced.add(packed.target)  # the weight itself stays: the products read it
+        _free_unused(graph, replaced)
+
+    uuid = pass_uuid
+    __eq__ = same_type
+    __hash__ = type_hash

@@ -297,8 +297,10 @@ def tests_touched(tree_at_k: Path, lines: dict[str, set[int]]) -> tuple[list[str
                     ids.append(f"{path}::{cls.name}::{func.name}")
                 else:
                     mixin_tests.append(func.name)
-        if numbers - hit_any:
-            others.append(f"{path}: {len(numbers - hit_any)} line(s) outside functions")
+        source_lines = source.splitlines()
+        outside = {n for n in numbers - hit_any if n <= len(source_lines) and source_lines[n - 1].strip()}
+        if outside:
+            others.append(f"{path}: {len(outside)} line(s) outside functions")
     return sorted(set(ids)), sorted(set(mixin_tests)), sorted(set(others))
 
 

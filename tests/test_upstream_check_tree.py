@@ -17,7 +17,7 @@ UPSTREAM = Path(__file__).resolve().parents[1] / "upstream"
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs the `git` program")
 
-BEFORE = '''import unittest
+BEFORE = """import unittest
 
 
 class CacheTesterMixin:
@@ -34,9 +34,9 @@ class CacheTest(CacheTesterMixin, unittest.TestCase):
 
     def test_changed(self):
         self.assertEqual(1, 1)
-'''
+"""
 
-AFTER = '''import unittest
+AFTER = """import unittest
 
 
 class CacheTesterMixin:
@@ -60,7 +60,7 @@ class CacheTest(CacheTesterMixin, unittest.TestCase):
 
 def test_module_level():
     assert True
-'''
+"""
 
 
 def load(name: str):

@@ -108,7 +108,7 @@ if [ -n "$TREE" ]; then
   pins=$(grep -oE '"(ruff|GitPython|pytest|pytest-rerunfailures)[=<>][^"]*"' "$TREE/setup.py" | tr -d '"' | tr '\n' ' ')
   # shellcheck disable=SC2086
   "$TVENV/bin/python" -m pip install -q "$WORK/unpatched" $pins libcst rich pytest-xdist pytest-timeout pytest-order \
-    pytest-env timeout-decorator parameterized sentencepiece
+    pytest-env timeout-decorator parameterized sentencepiece httpx datasets
   echo "tree tools installed ($pins); $(( $(date +%s) - start )) s"
   keep_args=()
   if [ -n "$KEEP" ]; then keep_args=(--work "$WORK/tree-checks"); fi

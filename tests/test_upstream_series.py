@@ -1,7 +1,9 @@
 """upstream/series, the feature as a patch series for transformers 5.25.0, must keep applying and keep working.
 
 The tests download the 5.25.0 source distribution with pip (skipped, with the reason, when the registry cannot be
-reached) and apply the patches in order with `patch -p1`, a dry run before each. The default suite then runs
+reached) and apply each patch's code in order as `upstream/check.sh` does: `git apply --check`, then `git apply`, both
+without the patch's tests/, docs/ and utils/ hunks (the sdist has none of those folders; `upstream/check.sh --tree DIR`
+applies them to a reference tree). The default suite then runs
 `upstream/check_request.py` (the original request for six models, eager and sdpa) on the patched source through
 PYTHONPATH, with this package off the path and refused at import: about 45 s here, the download included. Under
 `-m slow`, `upstream/check.sh` runs everything in a temporary venv: the series' own tests and the compiled decode step
@@ -22,7 +24,9 @@ import pytest
 UPSTREAM = Path(__file__).resolve().parents[1] / "upstream"
 VERSION = "5.25.0"
 
-pytestmark = pytest.mark.skipif(shutil.which("patch") is None, reason="needs the `patch` program")
+CODE_ONLY = ["--exclude=tests/*", "--exclude=docs/*", "--exclude=utils/*"]
+
+pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs the `git` program")
 
 
 @pytest.fixture(scope="module")
@@ -41,16 +45,18 @@ def sdist(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def patched_tree(sdist, tmp_path_factory) -> Path:
-    """The sdist with every patch of upstream/series applied, each after a dry run."""
+    """The sdist with the code of every patch of upstream/series applied, each after a dry run."""
     folder = tmp_path_factory.mktemp("patched")
     with tarfile.open(sdist) as archive:
         archive.extractall(folder, filter="data")
     tree = folder / f"transformers-{VERSION}"
+    subprocess.run(["git", "init", "-q"], cwd=tree, check=True)  # git apply then reads paths from the tree's root
     for name in (UPSTREAM / "series").read_text().split():
-        patch = (UPSTREAM / name).read_bytes()
-        for dry_run in (["--dry-run"], []):
-            result = subprocess.run(["patch", "-p1", "-s", *dry_run], cwd=tree, input=patch, capture_output=True)
-            assert result.returncode == 0, f"{name} does not apply on top of the patches before it: {result.stdout!r}"
+        for dry_run in (["--check"], []):
+            result = subprocess.run(
+                ["git", "apply", *dry_run, *CODE_ONLY, str(UPSTREAM / name)], cwd=tree, capture_output=True, text=True
+            )
+            assert result.returncode == 0, f"{name} does not apply on top of the patches before it: {result.stderr}"
     return tree
 
 

@@ -3,7 +3,8 @@
 Usage: python upstream/compare_junit.py UNPATCHED.xml PATCHED.xml
 
 Prints, per test file, the tests run and their outcomes on each side, then every test whose outcome differs. A test
-with subtests counts as failed if any subtest failed. Exits 0; the reader judges the differences.
+with subtests counts as failed if any subtest failed. Exits 1 if a test that passes unpatched fails or is missing
+patched (a regression); other differences are printed for the reader to judge.
 """
 
 import sys
@@ -53,7 +54,10 @@ def main(argv: list[str]) -> int:
     print(f"\n{len(changed)} test(s) with a different outcome:")
     for test_id in changed:
         print(f"  {before.get(test_id, 'absent')} -> {after.get(test_id, 'absent')}  {test_id}")
-    return 0
+    regressions = [t for t in changed if before.get(t) == "passed" and after.get(t) in ("failed", None)]
+    if regressions:
+        print(f"{len(regressions)} regression(s): passed unpatched, failed or missing patched")
+    return 1 if regressions else 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,132 @@
+"""upstream/check_tree.py finds the tests each patch adds or changes, and compare_junit.py fails on a regression.
+
+No reference tree is needed: a tiny git repository stands in for transformers' tests/ folder.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+UPSTREAM = Path(__file__).resolve().parents[1] / "upstream"
+
+pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs the `git` program")
+
+BEFORE = """import unittest
+
+
+class CacheTesterMixin:
+    def _helper(self):
+        return 1
+
+    def test_in_mixin(self):
+        self.assertEqual(self._helper(), 1)
+
+
+class CacheTest(CacheTesterMixin, unittest.TestCase):
+    def test_kept(self):
+        self.assertTrue(True)
+
+    def test_changed(self):
+        self.assertEqual(1, 1)
+"""
+
+AFTER = """import unittest
+
+
+class CacheTesterMixin:
+    def _helper(self):
+        return 2
+
+    def test_in_mixin(self):
+        self.assertEqual(self._helper(), 2)
+
+
+class CacheTest(CacheTesterMixin, unittest.TestCase):
+    def test_kept(self):
+        self.assertTrue(True)
+
+    def test_changed(self):
+        self.assertEqual(2, 2)
+
+    def test_added(self):
+        self.assertIsNone(None)
+
+
+def test_module_level():
+    assert True
+"""
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(name, UPSTREAM / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def patch_and_tree(tmp_path) -> tuple[str, Path]:
+    tree = tmp_path / "tree"
+    (tree / "tests" / "utils").mkdir(parents=True)
+    (tree / "src").mkdir()
+    test_file = tree / "tests" / "utils" / "test_cache.py"
+    test_file.write_text(BEFORE)
+    (tree / "src" / "cache.py").write_text("X = 1\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t.invalid"]
+    subprocess.run(["git", "init", "-q"], cwd=tree, check=True)
+    subprocess.run([*git, "add", "-A"], cwd=tree, check=True)
+    subprocess.run([*git, "commit", "-qm", "base"], cwd=tree, check=True)
+    test_file.write_text(AFTER)
+    (tree / "src" / "cache.py").write_text("X = 2\n")
+    diff = subprocess.run(["git", "diff"], cwd=tree, check=True, capture_output=True, text=True).stdout
+    return diff, tree
+
+
+def test_the_tests_a_patch_touches_are_found_by_test_class_and_by_mixin(patch_and_tree):
+    check_tree = load("check_tree")
+    diff, tree = patch_and_tree
+    lines = check_tree.added_lines(diff)
+    assert list(lines) == ["tests/utils/test_cache.py"], "only files under tests/ count"
+    ids, mixin_tests, others = check_tree.tests_touched(tree, lines)
+    assert ids == [
+        "tests/utils/test_cache.py::CacheTest::test_added",
+        "tests/utils/test_cache.py::CacheTest::test_changed",
+        "tests/utils/test_cache.py::test_module_level",
+    ]
+    assert mixin_tests == ["test_in_mixin"]
+    assert others == ["tests/utils/test_cache.py:CacheTesterMixin._helper"]
+
+
+def junit(path: Path, outcomes: dict[str, str]) -> Path:
+    cases = []
+    for name, outcome in outcomes.items():
+        inner = {"passed": "", "failed": "<failure message='x'/>", "skipped": "<skipped message='x'/>"}[outcome]
+        cases.append(f'<testcase classname="tests.utils.test_cache.CacheTest" name="{name}">{inner}</testcase>')
+    path.write_text(f"<testsuites><testsuite>{''.join(cases)}</testsuite></testsuites>")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("after", "exit_code"),
+    [
+        ({"test_a": "passed", "test_b": "failed"}, 0),  # same outcomes
+        ({"test_a": "failed", "test_b": "failed"}, 1),  # test_a regressed
+        ({"test_b": "passed"}, 1),  # test_a vanished
+        ({"test_a": "passed", "test_b": "passed"}, 0),  # a fix is not a regression
+    ],
+)
+def test_compare_junit_exits_1_when_a_test_that_passed_unpatched_fails_or_vanishes(tmp_path, after, exit_code):
+    before = junit(tmp_path / "before.xml", {"test_a": "passed", "test_b": "failed"})
+    result = subprocess.run(
+        [sys.executable, str(UPSTREAM / "compare_junit.py"), str(before), str(junit(tmp_path / "after.xml", after))],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == exit_code, result.stdout

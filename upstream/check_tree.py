@@ -1,0 +1,454 @@
+"""The checks a transformers maintainer's CI runs on a PR series, on a reference tree of transformers v5.25.0.
+
+`upstream/check.sh --tree DIR` calls this after its code-only checks; it can also run alone:
+
+    python upstream/check_tree.py --tree /work/upstream/v5.25.0 [--upstream-tests] [--jobs 2] [--keep]
+
+DIR is a git repository whose HEAD is transformers v5.25.0 as a maintainer sees it: `src/`, `setup.py`, `pyproject.toml`
+and `tests/`, `docs/`, `utils/` (see /work/upstream/PROVENANCE.md for how it was built). The interpreter running this
+needs the tree's test and quality tools (pytest, pytest-xdist, pytest-timeout, parameterized, libcst, rich, GitPython
+and ruff at the version the tree's setup.py pins); the tree's `src` is put first on PYTHONPATH for every step, so the
+transformers installed beside them does not matter. The series (`upstream/series`, `git format-patch` files) is
+applied with `git am` to a clone: branch `main` is the tree, branch `series` one commit per patch. Then:
+
+  (a) upstream's source checks on the patched clone: `utils/check_copies.py`; `utils/check_docstrings.py --check_all`;
+      the modular converter (`modular_findings.py`) on every modular file of a model the series touches and of its
+      direct dependents. Each runs on the unpatched clone too, and only what the series adds fails the step (the
+      reference tree's tools are the nearest versions that could be had and some already flag 5.25.0 itself);
+  (b) ruff check and ruff format --check (the tree's pyproject.toml, the pinned version) on the Python files the
+      series touches, and no added line in a Python file longer than 119 characters;
+  (c) per patch k: the tests it adds or changes (the test functions its diff of tests/ touches; a test of a mixin
+      such as GenerationTesterMixin runs through the test files of the models the series touches) must fail on
+      patches 1..k-1 plus patch k's tests/ hunks only, and pass with patch k whole. A patch that touches no test
+      fails this step, by name;
+  (d) with --upstream-tests: upstream's test files of every model the series touches, of cache_utils, masking_utils
+      and generation, on the unpatched and the patched clone (`-n JOBS`), compared with compare_junit.py; a test that
+      passes unpatched and fails (or vanishes) patched fails the step.
+
+Times measured here (2 CPU cores shared with other engineers' runs, load average 17 to 22): the clone and `git am`
+of nine patches about 10 s; (a) check_copies 74 s for both sides, check_docstrings --check_all about 11 minutes a
+side, the converter over the current series' 22 models and their dependents not finished within the session (the
+August converter's full --check_all ran over 50 minutes); (b) 4 s; (c) a few seconds for a patch without tests,
+about 5 minutes for a patch with one test in tests/utils/test_cache_utils.py (two pytest runs); (d) not measured
+here: budget about 10 minutes a side per model test file under such a load (-n 2 helps on a free machine). Use
+--skip source for a quick run of (b) and (c) (under a minute for the current series). Exits 1 if any step fails,
+after running them all; prints one line per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+MAX_LINE = 119
+UPSTREAM_CORE_TESTS = ["tests/utils/test_cache_utils.py", "tests/utils/test_masking_utils.py", "tests/generation"]
+# Needs a module 5.25 no longer has (continuous batching's old cache manager); collection fails on both sides.
+UPSTREAM_IGNORE = ["tests/generation/test_continuous_batching.py"]
+GIT_ID = ["-c", "user.name=flexcache", "-c", "user.email=dev@flexcache.invalid"]
+
+
+def run(cmd: list[str], cwd: Path, log: Path | None = None, env: dict | None = None, timeout: int = 3600):
+    """Run `cmd`; stdout and stderr go to `log` if given. Returns the CompletedProcess (output captured if no log)."""
+    if log is None:
+        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    with open(log, "w") as handle:
+        return subprocess.run(
+            cmd, cwd=cwd, env=env, stdout=handle, stderr=subprocess.STDOUT, text=True, timeout=timeout
+        )
+
+
+def git(tree: Path, *args: str) -> str:
+    result = run(["git", *GIT_ID, *args], tree)
+    if result.returncode != 0:
+        raise RuntimeError(f"git {' '.join(args)} failed in {tree}: {result.stderr.strip()}")
+    return result.stdout
+
+
+class Tree:
+    """A clone of the reference tree with the series applied, and worktrees at chosen commits."""
+
+    def __init__(self, source: Path, work: Path, patches: list[Path]):
+        self.work = work
+        self.clone = work / "clone"
+        run(["git", "clone", "-q", str(source), str(self.clone)], work).check_returncode()
+        git(self.clone, "checkout", "-q", "-B", "main")
+        git(self.clone, "checkout", "-q", "-b", "series")
+        self.patches = patches
+        self.commits = [git(self.clone, "rev-parse", "HEAD").strip()]  # commits[k]: patches 1..k applied
+        for patch in patches:
+            result = run(["git", *GIT_ID, "am", "-q", str(patch)], self.clone)
+            if result.returncode != 0:
+                run(["git", "am", "--abort"], self.clone)
+                raise SystemExit(
+                    f"{patch.name} does not apply with git am on the tree:\n{result.stdout}{result.stderr}"
+                )
+            self.commits.append(git(self.clone, "rev-parse", "HEAD").strip())
+        self.worktrees: dict[str, Path] = {}
+
+    def at(self, name: str, commit: str) -> Path:
+        """A worktree called `name` checked out at `commit` (created once, then moved), clean."""
+        path = self.worktrees.get(name)
+        if path is None:
+            path = self.work / name
+            git(self.clone, "worktree", "add", "-q", "--detach", str(path), commit)
+            self.worktrees[name] = path
+        else:
+            git(path, "reset", "-q", "--hard")
+            git(path, "clean", "-qfdx", "-e", ".venv*")
+            git(path, "checkout", "-q", "--detach", commit)
+        return path
+
+    def changed_files(self, start: str, end: str, *pathspec: str) -> list[str]:
+        return git(self.clone, "diff", "--name-only", "--diff-filter=d", start, end, "--", *pathspec).split()
+
+    def touched_models(self) -> list[str]:
+        """Model types whose src/ or tests/ folder the series touches."""
+        models = set()
+        for path in self.changed_files(self.commits[0], self.commits[-1]):
+            match = re.match(r"(?:src/transformers|tests)/models/([^/]+)/", path)
+            if match:
+                models.add(match.group(1))
+        return sorted(models)
+
+
+def env_for(tree: Path) -> dict:
+    return {
+        **os.environ,
+        "PYTHONPATH": f"{tree / 'src'}{os.pathsep}{tree}",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "COLUMNS": "200",
+        # upstream's tools call `ruff` by name: the one beside this interpreter, at the tree's pinned version
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+
+
+def report(name: str, ok: bool, detail: str, started: float) -> bool:
+    print(f"{'ok  ' if ok else 'FAIL'} {name:<34} {time.time() - started:6.0f} s  {detail}", flush=True)
+    return ok
+
+
+# (a) upstream's source checks ------------------------------------------------------------------------------------
+
+
+def findings_of_script(tree: Path, script: list[str], log: Path) -> tuple[int, set[str]]:
+    """Exit code and the lines that name a problem ('- ...' items and error lines) of one of upstream's checks."""
+    result = run([sys.executable, *script], tree, log, env_for(tree))
+    lines = set()
+    for line in log.read_text(errors="replace").splitlines():
+        line = re.sub(r"\x1b\[[0-9;]*m", "", line).rstrip()
+        if re.match(r"^\s*- \S", line) or "Error" in line or "does not match" in line:
+            lines.add(re.sub(r" at line \d+", "", line.strip()))
+    return result.returncode, lines
+
+
+def check_script(tree: Tree, base: Path, tip: Path, name: str, script: list[str]) -> bool:
+    started = time.time()
+    code_base, base_lines = findings_of_script(base, script, tree.work / f"{name}-unpatched.log")
+    code_tip, tip_lines = findings_of_script(tip, script, tree.work / f"{name}-patched.log")
+    new = sorted(tip_lines - base_lines)
+    if code_tip == 0 or (code_base != 0 and not new):
+        detail = "passes" if code_tip == 0 else f"fails as on the unpatched tree ({len(base_lines)} finding(s))"
+        return report(name, True, detail, started)
+    for line in new[:40]:
+        print(f"       {line}")
+    return report(name, False, f"{len(new)} new finding(s); log: {tree.work / (name + '-patched.log')}", started)
+
+
+def check_modular(tree: Tree, base: Path, tip: Path, jobs: int) -> bool:
+    started = time.time()
+    touched = set(tree.touched_models())
+    modular = sorted(str(p.relative_to(tip)) for p in tip.glob("src/transformers/models/*/modular_*.py"))
+    sys.path.insert(0, str(tip / "utils"))
+    from create_dependency_mapping import find_priority_list  # the tree's own dependency mapping
+
+    cwd = os.getcwd()
+    os.chdir(tip)
+    try:
+        _, dependencies = find_priority_list(modular)
+    finally:
+        os.chdir(cwd)
+        sys.path.pop(0)
+    wanted = [
+        path
+        for path in modular
+        if path.split("/")[-2] in touched or {dep.split(".")[-2] for dep in dependencies[path]} & touched
+    ]
+    if not wanted:
+        return report("modular conversion", True, "the series touches no modular model", started)
+    sides = {}
+    for side, root in (("unpatched", base), ("patched", tip)):
+        out = tree.work / f"modular-{side}.json"
+        result = run(
+            [sys.executable, str(HERE / "modular_findings.py"), "--jobs", str(jobs), *wanted],
+            root,
+            env=env_for(root),
+        )
+        if result.returncode != 0:
+            print(result.stderr[-3000:])
+            return report("modular conversion", False, f"the converter did not run on the {side} tree", started)
+        out.write_text(result.stdout)
+        sides[side] = json.loads(result.stdout)["findings"]
+    new = []
+    for path, hunks in sides["patched"].items():
+        before = [json.dumps(h) for h in sides["unpatched"].get(path, [])]
+        for hunk in hunks:
+            if json.dumps(hunk) in before:
+                before.remove(json.dumps(hunk))
+            else:
+                new.append((path, hunk))
+    for path, hunk in new[:20]:
+        print(f"       {path}: generated file differs from its modular source:")
+        for line in hunk[:12]:
+            print(f"         {line[:150]}")
+    pre = sum(len(h) for h in sides["unpatched"].values())
+    detail = f"{len(wanted)} modular files; {len(new)} new hunk(s), {pre} on the unpatched tree"
+    return report("modular conversion", not new, detail, started)
+
+
+# (b) style ------------------------------------------------------------------------------------------------------
+
+
+def check_style(tree: Tree, tip: Path) -> bool:
+    started = time.time()
+    files = [f for f in tree.changed_files(tree.commits[0], tree.commits[-1], "*.py")]
+    ok = True
+    if files:
+        for cmd in (["ruff", "check", *files], ["ruff", "format", "--check", *files]):
+            result = run([sys.executable, "-m", *cmd], tip, env=env_for(tip))
+            if result.returncode != 0:
+                ok = False
+                print(
+                    "\n".join("       " + line for line in (result.stdout + result.stderr).strip().splitlines()[:40])
+                )
+    long_lines = []
+    diff = git(tree.clone, "diff", "-U0", tree.commits[0], tree.commits[-1], "--", "*.py")
+    path, line_no = None, 0
+    for line in diff.splitlines():
+        if line.startswith("+++ "):
+            path = line[6:]
+        elif line.startswith("@@"):
+            line_no = int(re.search(r"\+(\d+)", line).group(1))
+        elif line.startswith("+"):
+            if len(line) - 1 > MAX_LINE:
+                long_lines.append(f"{path}:{line_no}: {len(line) - 1} characters")
+            line_no += 1
+    for entry in long_lines:
+        print(f"       {entry}")
+    detail = f"{len(files)} Python files; ruff {'clean' if ok else 'NOT clean'}; {len(long_lines)} added line(s) > {MAX_LINE}"
+    return report("ruff and line length", ok and not long_lines, detail, started)
+
+
+# (c) per-patch tests --------------------------------------------------------------------------------------------
+
+
+def added_lines(patch_text: str) -> dict[str, set[int]]:
+    """tests/*.py file -> new-side line numbers a patch adds or next to which it removes lines."""
+    result: dict[str, set[int]] = {}
+    path, line_no = None, 0
+    for line in patch_text.splitlines():
+        if line.startswith("+++ "):
+            path = line[6:] if line.startswith("+++ b/") else None
+            if path and not (path.startswith("tests/") and path.endswith(".py")):
+                path = None
+        elif line.startswith("@@") and path:
+            line_no = int(re.search(r"\+(\d+)", line).group(1))
+        elif path and line.startswith("+"):
+            result.setdefault(path, set()).add(line_no)
+            line_no += 1
+        elif path and line.startswith("-"):
+            result.setdefault(path, set()).add(line_no)
+        elif path and line.startswith(" "):
+            line_no += 1
+    return result
+
+
+def tests_touched(tree_at_k: Path, lines: dict[str, set[int]]) -> tuple[list[str], list[str], list[str]]:
+    """(test ids of test classes, names of mixin tests, other things touched) for the touched lines."""
+    ids, mixin_tests, others = [], [], []
+    for path, numbers in lines.items():
+        source = (tree_at_k / path).read_text()
+        module = ast.parse(source)
+        hit_any = set()
+        for node in module.body:
+            classes = [node] if isinstance(node, ast.ClassDef) else []
+            functions = [(None, node)] if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else []
+            for cls in classes:
+                functions += [(cls, f) for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
+            for cls, func in functions:
+                start = min([func.lineno] + [d.lineno for d in func.decorator_list])
+                hit = {n for n in numbers if start <= n <= func.end_lineno}
+                if not hit:
+                    continue
+                hit_any |= hit
+                if not func.name.startswith("test"):
+                    others.append(f"{path}:{cls.name + '.' if cls else ''}{func.name}")
+                elif cls is None:
+                    ids.append(f"{path}::{func.name}")
+                elif any("TestCase" in ast.unparse(base) for base in cls.bases) or cls.name.startswith("Test"):
+                    ids.append(f"{path}::{cls.name}::{func.name}")
+                else:
+                    mixin_tests.append(func.name)
+        source_lines = source.splitlines()
+        outside = {n for n in numbers - hit_any if n <= len(source_lines) and source_lines[n - 1].strip()}
+        if outside:
+            others.append(f"{path}: {len(outside)} line(s) outside functions")
+    return sorted(set(ids)), sorted(set(mixin_tests)), sorted(set(others))
+
+
+def junit_outcomes(path: Path) -> dict[str, str]:
+    """Test name -> 'passed' / 'failed' / 'skipped' from a JUnit file (a failed subtest fails the test)."""
+    outcomes: dict[str, str] = {}
+    if not path.exists():
+        return outcomes
+    for case in ET.parse(path).getroot().iter("testcase"):
+        key = f"{case.get('classname', '')}::{case.get('name', '')}"
+        if case.find("failure") is not None or case.find("error") is not None:
+            outcome = "failed"
+        elif case.find("skipped") is not None:
+            outcome = "skipped"
+        else:
+            outcome = "passed"
+        if outcomes.get(key) != "failed":
+            outcomes[key] = outcome
+    return outcomes
+
+
+def pytest(tree_dir: Path, targets: list[str], junit: Path, log: Path, extra: list[str] = (), jobs: int = 0):
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--timeout=900",
+           f"--junitxml={junit}", "-n", str(jobs if jobs > 1 else 0), *extra, *targets]  # fmt: skip
+    return run(cmd, tree_dir, log, env_for(tree_dir), timeout=4 * 3600)
+
+
+def check_patch_tests(tree: Tree, k: int, model_test_files: list[str]) -> bool:
+    started = time.time()
+    patch = tree.patches[k - 1]
+    name = f"patch {k} tests"
+    at_k = tree.at("at-patch", tree.commits[k])
+    ids, mixin_tests, others = tests_touched(at_k, added_lines(patch.read_text()))
+    if not ids and not mixin_tests:
+        return report(name, False, f"{patch.name[:40]}... adds or changes no test under tests/", started)
+    targets, extra = list(ids), []
+    if mixin_tests:
+        targets += model_test_files
+        extra = ["-k", " or ".join(mixin_tests)]
+    outcomes = {}
+    for side, commit in (("before", tree.commits[k - 1]), ("after", tree.commits[k])):
+        checkout = tree.at("per-patch", commit)
+        if side == "before":
+            applied = run(["git", "apply", "--include=tests/*", str(patch)], checkout)
+            if applied.returncode != 0:
+                return report(name, False, f"its tests/ hunks do not apply alone: {applied.stderr.strip()}", started)
+        junit = tree.work / f"patch{k}-{side}.xml"
+        pytest(checkout, targets, junit, tree.work / f"patch{k}-{side}.log", extra)
+        outcomes[side] = junit_outcomes(junit)
+    bad, counts = [], {"fail then pass": 0, "skipped on both": 0}
+    for test in sorted(set(outcomes["before"]) | set(outcomes["after"])):
+        before, after = outcomes["before"].get(test, "absent"), outcomes["after"].get(test, "absent")
+        if before == "failed" and after == "passed":
+            counts["fail then pass"] += 1
+        elif before == after == "skipped":
+            counts["skipped on both"] += 1
+        else:
+            bad.append(f"{test}: {before} without the fix, {after} with it")
+    for line in bad[:30]:
+        print(f"       {line}")
+    for line in others[:10]:
+        print(f"       (also touches {line})")
+    detail = f"{len(ids)} test id(s), {len(mixin_tests)} mixin test(s); " + ", ".join(
+        f"{v} {k}" for k, v in counts.items()
+    )
+    if not counts["fail then pass"]:
+        bad.append("no test ran")
+        detail += "; no test ran both ways"
+    return report(name, not bad, detail + (f"; {len(bad)} wrong" if bad else ""), started)
+
+
+# (d) upstream's own tests ---------------------------------------------------------------------------------------
+
+
+def check_upstream_tests(tree: Tree, base: Path, tip: Path, model_test_files: list[str], jobs: int) -> bool:
+    started = time.time()
+    targets = [t for t in UPSTREAM_CORE_TESTS if (tip / t).exists()] + model_test_files
+    extra = [f"--ignore={path}" for path in UPSTREAM_IGNORE]
+    for side, root in (("unpatched", base), ("patched", tip)):
+        side_started = time.time()
+        result = pytest(
+            root, targets, tree.work / f"upstream-{side}.xml", tree.work / f"upstream-{side}.log", extra, jobs
+        )
+        last = (tree.work / f"upstream-{side}.log").read_text(errors="replace").strip().splitlines()[-1:]
+        print(f"       {side}: {last[0] if last else result.returncode} ({time.time() - side_started:.0f} s)")
+    compare = run(
+        [sys.executable, str(HERE / "compare_junit.py"), str(tree.work / "upstream-unpatched.xml"),
+         str(tree.work / "upstream-patched.xml")], tree.work,
+    )  # fmt: skip
+    print("\n".join("       " + line for line in compare.stdout.splitlines()))
+    return report("upstream tests", compare.returncode == 0, f"{len(targets)} test files or folders", started)
+
+
+def model_test_files(tree: Tree, tip: Path) -> list[str]:
+    files = []
+    for model in tree.touched_models():
+        files += sorted(str(p.relative_to(tip)) for p in (tip / "tests" / "models" / model).glob("test_modeling_*.py"))
+    return files
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tree", required=True, type=Path, help="the reference tree (a git repository)")
+    parser.add_argument("--series", type=Path, default=HERE / "series")
+    parser.add_argument("--work", type=Path, help="a folder for the clone and logs (default: a temporary one)")
+    parser.add_argument("--upstream-tests", action="store_true", help="(d): upstream's tests, unpatched and patched")
+    parser.add_argument("--jobs", type=int, default=2, help="pytest-xdist workers and converter processes")
+    parser.add_argument("--keep", action="store_true", help="keep the work folder")
+    parser.add_argument("--skip", default="", help="comma-separated steps to skip: source,style,patches")
+    args = parser.parse_args(argv)
+    if not (args.tree / ".git").exists() or not (args.tree / "utils" / "check_copies.py").exists():
+        parser.error(f"--tree {args.tree} is not a reference tree (a git repository with utils/check_copies.py)")
+    patches = [args.series.parent / name for name in args.series.read_text().split()]
+    work = args.work or Path(tempfile.mkdtemp(prefix="flexcache-tree."))
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"reference tree {args.tree.resolve()} at {git(args.tree, 'rev-parse', '--short', 'HEAD').strip()}; "
+          f"work folder {work}")  # fmt: skip
+    skip = set(filter(None, args.skip.split(",")))
+    try:
+        tree = Tree(args.tree.resolve(), work, patches)
+        base, tip = tree.at("unpatched", tree.commits[0]), tree.at("patched", tree.commits[-1])
+        print(
+            f"{len(patches)} patches applied with git am; models touched: {', '.join(tree.touched_models()) or 'none'}"
+        )
+        tests = model_test_files(tree, tip)
+        results = []
+        if "source" not in skip:
+            results.append(check_script(tree, base, tip, "check_copies", ["utils/check_copies.py"]))
+            results.append(
+                check_script(tree, base, tip, "check_docstrings", ["utils/check_docstrings.py", "--check_all"])
+            )
+            results.append(check_modular(tree, base, tip, args.jobs))
+        if "style" not in skip:
+            results.append(check_style(tree, tip))
+        if "patches" not in skip:
+            results += [check_patch_tests(tree, k, tests) for k in range(1, len(patches) + 1)]
+        if args.upstream_tests:
+            results.append(check_upstream_tests(tree, base, tip, tests, args.jobs))
+    finally:
+        if not args.keep and not args.work:
+            shutil.rmtree(work, ignore_errors=True)
+    print(f"tree checks: {sum(results)} of {len(results)} passed")
+    return 0 if all(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

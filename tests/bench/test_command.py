@@ -227,6 +227,9 @@ def test_forward_timer_wraps_the_compiled_call_for_one_generate_and_keeps_only_d
     assert timer.decode_forwards(4) == [1.0, 2.0, 3.0]  # the prefill ran through the timed callable
     assert timer.decode_forwards(5) == [5.0, 1.0, 2.0, 3.0]  # it did not: every timed forward was a decode step
     assert timer.decode_forwards(4, hook_s=[0.5, 0.5, 0.5, 0.5]) == [0.5, 1.5, 2.5]
+    # eager: the prefill runs through the class's __call__ (untimed) but its hook ran; hook k is inside forward k,
+    # and StepTimer.step_s takes the same hook_s[1:] out of the gaps, so forwards and steps stay comparable
+    assert timer.decode_forwards(5, hook_s=[4.0, 0.5, 0.25, 1.0, 2.0]) == [4.5, 0.75, 1.0, 1.0]
 
 
 def test_forward_timer_on_an_eager_model_wraps_its_call_and_restores_it():

@@ -123,11 +123,14 @@ class ForwardTimer:
 
     def decode_forwards(self, num_forwards: int, hook_s: list[float] | None = None) -> list[float]:
         """The decode steps' forwards of a call that ran `num_forwards` forwards: all but the first (the prefill),
-        which a compiled call runs outside the compiled callable (then not timed here)."""
+        which upstream's generate runs through the class's `__call__` (then not timed here). `hook_s[k]`, the time
+        of the tracker's hook inside forward `k` (one per forward, prefill included), is taken out of decode forward
+        `k`, as `StepTimer.step_s` takes it out of the gap that holds forward `k`: the two stay comparable."""
         seconds = self.seconds
-        if hook_s and len(hook_s) == len(seconds):
-            seconds = [forward - hook for forward, hook in zip(seconds, hook_s, strict=True)]
-        return seconds[1:] if len(seconds) == num_forwards else seconds[-(num_forwards - 1) :]
+        decode = seconds[1:] if len(seconds) == num_forwards else seconds[-(num_forwards - 1) :]
+        if hook_s and len(hook_s) == num_forwards and len(decode) == num_forwards - 1:
+            decode = [forward - hook for forward, hook in zip(decode, hook_s[1:], strict=True)]
+        return decode
 
 
 class StepTimer(LogitsProcessor):

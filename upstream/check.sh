@@ -91,7 +91,7 @@ if [ -z "$TREE_ONLY" ]; then
   "$VPY" "$HERE/check_request.py" ${CHECK_ARGS:-} || failed=1
   if [ -f "$HERE/check_family.py" ]; then
     echo
-    "$VPY" "$HERE/check_family.py" ${FAMILY_ARGS:-} || failed=1
+    "$VPY" "$HERE/check_family.py" --json "$WORK/check_family.json" ${FAMILY_ARGS:-} || failed=1
   else
     echo "upstream/check_family.py: not there yet, skipped"
   fi

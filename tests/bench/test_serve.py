@@ -57,3 +57,40 @@ def test_the_goals_read_the_saturating_load_and_each_strategys_capacity():
         "capacity (highest completed req/s over the loads): in-flight compiled 7.00, static batching 3.50 (2.00x), "
         "CTranslate2 5.60 (1.25x)",
     ]
+
+
+def test_the_beam_search_stream_returns_each_requests_hypotheses_and_scores_as_generate_alone(tmp_path, capsys):
+    out = tmp_path / "beams.json"
+    status = main(
+        [
+            "bench-serve",
+            "--quick",
+            "--models",
+            "marian",
+            "--requests",
+            "4",
+            "--loads",
+            "80",
+            "--num-beams",
+            "3",
+            "--num-hypotheses",
+            "2",
+            "--strategies",
+            "one-at-a-time,in-flight,ctranslate2",
+            "--json",
+            str(out),
+        ]
+    )
+    printed = capsys.readouterr().out
+    assert status == 0, printed  # the engine's hypotheses equal generate's on each request alone
+    assert "decoding: beam search: 3 beams, 2 hypotheses with their scores" in printed
+    rows = {row["strategy"]: row for row in json.loads(out.read_text())["models"]["marian"]["rows"]}
+    assert set(rows) == {"one-at-a-time", "in-flight", "ctranslate2"}
+    assert rows["in-flight"]["tokens_equal"] == 4 and rows["in-flight"]["failed"] == 0
+    assert rows["ctranslate2"]["failed"] == 0 and rows["ctranslate2"]["completed_rps"] > 0
+    (gap,) = [note.split()[3] for note in rows["in-flight"]["notes"] if note.startswith("in-flight: scores within")]
+    assert float(gap) < 1e-4  # generate's sequences_scores, within float noise
+    assert any(
+        line.startswith("capacity (highest completed req/s over the loads): in-flight")
+        for line in printed.splitlines()
+    )

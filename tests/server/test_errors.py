@@ -90,7 +90,7 @@ def test_the_openai_client_raises_its_bad_request_error_with_the_message(llama):
         ({"prompt": PROMPT, "n": 2, "temperature": 0}, "n", "pass temperature > 0"),
         ({"prompt": [5, 200]}, "prompt", "outside the model's vocabulary ([200]; vocab_size=99)"),
         ({"prompt": []}, "prompt", "holds no prompt"),
-        ({"prompt": PROMPT, "logprobs": 2}, "logprobs", "not supported"),
+        ({"prompt": PROMPT, "suffix": "end"}, "suffix", "not supported"),
         ({"prompt": PROMPT, "min_tokens": 9, "max_tokens": 4}, "min_tokens", "pass min_tokens <= max_tokens"),
         ({"prompt": PROMPT, "stop": ["", "a"]}, "stop", "every stop sequence needs text"),
         (b"{not json", None, "JSON decode error"),

@@ -17,6 +17,17 @@ Design decisions:
     compiled with `compile_config_for_cpu()` over a bucketed policy after `warmup()` (compile time reported apart).
   - `ctranslate2`: CTranslate2's `translate_batch` (fp32, the same weights, the same threads) with the same static
     batching.
+- The stream is greedy by default; `--num-beams B --num-hypotheses K` makes it the beam-search translation stream:
+  every request asks for the K best of B beams with their scores (`/v1/completions` with `n=K` and `num_beams=B`;
+  CTranslate2's `beam_size`, `num_hypotheses` and `return_scores`), and a batching strategy takes
+  `max_batch_size // B` requests per batch, the rows of the engine's seats. Each torch strategy's hypotheses must
+  equal one-at-a-time's, and their scores are compared (`scores` in the notes); CTranslate2's beam search is its own
+  (its length normalization and stopping differ from `generate`'s), so its hypotheses are counted, not required equal.
+  Static batching is left out of the beam stream by default: a batch decodes to its longest request's
+  `max_new_tokens`, and a beam search's hypotheses depend on where it must stop, so a batch's hypotheses are not each
+  request's own (greedy tokens are: cut at the request's own limit, they are the same). Named with `--strategies`,
+  it runs, unchecked. Nothing streams a beam search's tokens: the time to first token is left out. The goals read
+  each strategy's capacity and the p99 at the lowest load (`beam_goals`).
 - Figures per strategy and load: completed requests/s and tokens/s over the span from the first arrival to the last
   completion, p50/p95/p99 latency (arrival to completion), p50 time to first token (the first decoded token; for
   batched strategies the batch's first step), mean seats in use (the engine's, sampled at every arrival and
@@ -46,7 +57,7 @@ import torch
 from ..compile import Collections, frozen_heap
 from .models import BENCH_MODELS, _special_ids, build_models
 from .report import gc_line, machine_info
-from .serve_strategies import STRATEGIES, LoadRequest, Strategy, build_strategies
+from .serve_strategies import STRATEGIES, Decoding, LoadRequest, Strategy, build_strategies
 
 SERVE_MODELS = ("t5", "marian")
 LOAD_MULTIPLES = (1.0, 2.0, 4.0, 8.0)  # offered loads, in multiples of one-at-a-time's service rate
@@ -110,13 +121,15 @@ def run_stream(strategy: Strategy, stream: list[LoadRequest], rate: float, *, ti
         strategy.stop()
 
 
-def summarize(model: str, strategy: Strategy, rate: float, reference: dict | None) -> LoadRow:
+def summarize(
+    model: str, strategy: Strategy, rate: float, reference: dict | None, reference_scores: dict | None = None
+) -> LoadRow:
     outcomes = [strategy.outcomes[index] for index in sorted(strategy.outcomes)]
     served = [outcome for outcome in outcomes if outcome.error is None]
     span = max(outcome.done for outcome in outcomes) - min(outcome.arrival for outcome in outcomes)
     latencies = sorted(outcome.done - outcome.arrival for outcome in served)
     first = [outcome.first_token - outcome.arrival for outcome in served if not math.isnan(outcome.first_token)]
-    tokens = sum(len(outcome.tokens) for outcome in served)
+    tokens = sum(outcome.num_tokens for outcome in served)
     equal = sum(
         reference is None or (outcome.tokens == reference.get(index))
         for index, outcome in sorted(strategy.outcomes.items())
@@ -138,8 +151,21 @@ def summarize(model: str, strategy: Strategy, rate: float, reference: dict | Non
         num_requests=len(outcomes),
         failed=len(outcomes) - len(served),
         compile_s=strategy.compile_s,
-        notes=list(strategy.notes) + _first_error(outcomes, strategy.name),
+        notes=list(strategy.notes) + _first_error(outcomes, strategy.name) + _score_note(strategy, reference_scores),
     )
+
+
+def _score_note(strategy: Strategy, reference_scores: dict | None) -> list[str]:
+    """Beam search: how far a torch strategy's hypothesis scores are from one-at-a-time's (same hypotheses only)."""
+    if not reference_scores or strategy.name in ("one-at-a-time", "ctranslate2"):
+        return []
+    gaps = [
+        abs(score - expected)
+        for index, outcome in strategy.outcomes.items()
+        if outcome.scores is not None and reference_scores.get(index) is not None
+        for score, expected in zip(outcome.scores, reference_scores[index], strict=True)
+    ]
+    return [f"{strategy.name}: scores within {max(gaps):.1e} of one-at-a-time's"] if gaps else []
 
 
 def _first_error(outcomes: list, name: str) -> list[str]:
@@ -202,6 +228,30 @@ def goals(rows: list[LoadRow]) -> list[str]:
     return lines
 
 
+def beam_goals(rows: list[LoadRow]) -> list[str]:
+    """The beam-search stream's figures against one-at-a-time and CTranslate2: each strategy's capacity (its highest
+    completed rate over the loads), and the p99 latencies at the lowest load."""
+    peaks = {}
+    for row in rows:
+        peaks[row.strategy] = max(peaks.get(row.strategy, 0.0), row.completed_rps)
+    engine = peaks.get("in-flight-compiled", peaks.get("in-flight"))
+    name = "in-flight compiled" if "in-flight-compiled" in peaks else "in-flight"
+    if not engine:
+        return ["beam goals need an in-flight strategy"]
+    parts = [f"{name} {engine:.2f}"]
+    for other, title in (("one-at-a-time", "one-at-a-time"), ("ctranslate2", "CTranslate2")):
+        if peaks.get(other):
+            parts.append(f"{title} {peaks[other]:.2f} ({engine / peaks[other]:.2f}x)")
+    lines = ["capacity (highest completed req/s over the loads): " + ", ".join(parts)]
+    lowest = min(row.offered_rps for row in rows)
+    p99 = {row.strategy: row.p99_s for row in rows if row.offered_rps == lowest}
+    lines.append(
+        f"p99 at the lowest load ({lowest:.2f} req/s): "
+        + ", ".join(f"{strategy} {seconds:.2f} s" for strategy, seconds in p99.items())
+    )
+    return lines
+
+
 COLUMNS = [
     ("strategy", "strategy", "{}"),
     ("offered_rps", "offered req/s", "{:.2f}"),
@@ -243,7 +293,10 @@ def format_table(rows: list[LoadRow]) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", default=",".join(SERVE_MODELS), help="comma-separated: t5, marian")
     parser.add_argument(
-        "--strategies", default=",".join(STRATEGIES), help="comma-separated, from " + ", ".join(STRATEGIES)
+        "--strategies",
+        default=None,
+        help="comma-separated, from " + ", ".join(STRATEGIES) + " (default: all; with --num-beams all but "
+        "static-batching)",
     )
     parser.add_argument("--quick", action="store_true", help="tiny models, a short stream (tests, a first look)")
     parser.add_argument("--requests", type=int, default=None, help="requests per load (default 48, --quick 8)")
@@ -252,7 +305,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="offered loads in req/s, comma-separated (default: 1, 2, 4 and 8 times one-at-a-time's measured rate)",
     )
-    parser.add_argument("--max-batch-size", type=int, default=8, help="seats, and the static batches' size")
+    parser.add_argument("--max-batch-size", type=int, default=8, help="seats, and the static batches' rows")
+    parser.add_argument(
+        "--num-beams", type=int, default=1, help="beam search of this many beams (the beam-search translation stream)"
+    )
+    parser.add_argument(
+        "--num-hypotheses", type=int, default=1, help="with --num-beams: hypotheses returned per request, with scores"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=None, help="the largest max_new_tokens (64, quick 8)")
     parser.add_argument("--batch-timeout", type=float, default=0.05, help="static batching: seconds to wait for more")
     parser.add_argument("--max-queue", type=int, default=1024, help="the engine's queue (the stream never overflows)")
@@ -277,16 +336,23 @@ def run(args, parser=None) -> int:
 
 
 def _run(args) -> int:
+    if not 1 <= args.num_hypotheses <= args.num_beams <= args.max_batch_size:
+        raise SystemExit(
+            f"--num-hypotheses {args.num_hypotheses}, --num-beams {args.num_beams}, --max-batch-size "
+            f"{args.max_batch_size}: pass 1 <= hypotheses <= beams <= max batch size"
+        )
+    decoding = Decoding(num_beams=args.num_beams, num_return_sequences=args.num_hypotheses)
     args.requests = args.requests or (8 if args.quick else 48)
     args.max_new_tokens = args.max_new_tokens or (8 if args.quick else 64)
-    names = [name.strip() for name in args.strategies.split(",") if name.strip()]
+    default = [name for name in STRATEGIES if not (decoding.beams and name == "static-batching")]
+    names = [name.strip() for name in args.strategies.split(",") if name.strip()] if args.strategies else default
     if "one-at-a-time" not in names:
         names.insert(0, "one-at-a-time")  # its tokens are the reference of the others
     machine = machine_info(args.threads)
     print(
         f"machine: {_isa()}, {machine['cpu_count']} cores, {args.threads} thread(s), load average "
         f"{machine['load_average_at_start']}; torch {machine['torch']}, transformers {machine['transformers']}, "
-        f"ctranslate2 {machine['ctranslate2']}"
+        f"ctranslate2 {machine['ctranslate2']}; decoding: {decoding.describe()}"
     )
     report = {
         "command": {k: v for k, v in vars(args).items() if k not in ("handler", "subparser")},
@@ -294,6 +360,9 @@ def _run(args) -> int:
     }
     report["models"] = {}
     all_equal = True
+    # CTranslate2 decodes its own way; a static batch's beam search runs to the batch's longest max_new_tokens, and a
+    # beam search's hypotheses depend on where it must stop (see the module docstring)
+    unchecked = {"ctranslate2"} | ({"static-batching"} if decoding.beams else set())
     for model_name in [name.strip() for name in args.models.split(",") if name.strip()]:
         bench_model = BENCH_MODELS[model_name]
         upstream, flex = build_models(bench_model, quick=args.quick, seed=args.seed)
@@ -302,7 +371,9 @@ def _run(args) -> int:
         # Dynamo counts graphs per function, across models: every model's decode step is `FlexModelMixin.__call__`,
         # so the previous model's graphs (its strategies are closed) would count against this one's limit.
         torch.compiler.reset()
-        strategies = build_strategies(names, upstream, flex, args=args, max_encoder_len=max_encoder_len)
+        strategies = build_strategies(
+            names, upstream, flex, args=args, max_encoder_len=max_encoder_len, decoding=decoding
+        )
         base_rate = _service_rate(strategies[0], stream)
         loads = (
             [float(load) for load in args.loads.split(",")]
@@ -312,15 +383,16 @@ def _run(args) -> int:
         rows = []
         with frozen_heap() as frozen, Collections() as collections:
             for rate in loads:
-                reference = None
+                reference = reference_scores = None
                 for strategy in strategies:
                     run_stream(strategy, stream, rate, timeout=args.timeout)
-                    row = summarize(model_name, strategy, rate, reference)
+                    row = summarize(model_name, strategy, rate, reference, reference_scores)
                     if strategy.name == "one-at-a-time":
                         reference = {index: outcome.tokens for index, outcome in strategy.outcomes.items()}
+                        reference_scores = {index: outcome.scores for index, outcome in strategy.outcomes.items()}
                         row.tokens_equal = row.num_requests - row.failed
                     rows.append(row)
-                    all_equal &= row.tokens_equal == row.num_requests or strategy.name == "ctranslate2"
+                    all_equal &= row.tokens_equal == row.num_requests or strategy.name in unchecked
         collector = {"frozen_objects": frozen, **collections.summary()}
         for strategy in strategies:
             strategy.close()
@@ -339,7 +411,7 @@ def _run(args) -> int:
         notes = sorted({note for row in rows for note in row.notes})
         for note in notes:
             print(f"note: {note}")
-        verdict = goals(rows)
+        verdict = beam_goals(rows) if decoding.beams else goals(rows)
         for line in verdict:
             print(line)
         report["models"][model_name] = {

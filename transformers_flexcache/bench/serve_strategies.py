@@ -7,6 +7,11 @@ each ended (see `bench/serve.py` for the stream, the figures and the goals).
   `generate` call on the flexible cache (sources right-padded and masked), run until its longest row ends.
 - `CTranslate2Batching`: the same batching through CTranslate2's `translate_batch` (fp32, the same weights).
 - `InFlight`: the serving engine, eager or compiled (after `warmup()`).
+
+Every strategy decodes as the stream's `Decoding` says: greedy, or beam search of `num_beams` beams returning
+`num_return_sequences` hypotheses with their scores (what `/v1/completions` with `n` and `num_beams` asks of the
+engine; CTranslate2's `translate_batch` with `beam_size`, `num_hypotheses` and `return_scores`). A batching strategy
+then takes `max_batch_size // num_beams` requests per batch: the same cache rows as the engine's seats.
 """
 
 from __future__ import annotations
@@ -37,13 +42,52 @@ class LoadRequest:
     max_new_tokens: int
 
 
+@dataclass(frozen=True)
+class Decoding:
+    """How every request of the stream is decoded: greedy (`num_beams=1`), or beam search returning
+    `num_return_sequences` hypotheses with their scores."""
+
+    num_beams: int = 1
+    num_return_sequences: int = 1
+
+    @property
+    def beams(self) -> bool:
+        return self.num_beams > 1
+
+    def generate_kwargs(self) -> dict:
+        if not self.beams:
+            return {"do_sample": False}
+        return {
+            "do_sample": False,
+            "num_beams": self.num_beams,
+            "num_return_sequences": self.num_return_sequences,
+            "output_scores": True,  # generate's sequences_scores, as the server returns them
+            "return_dict_in_generate": True,
+        }
+
+    def describe(self) -> str:
+        if not self.beams:
+            return "greedy"
+        return f"beam search: {self.num_beams} beams, {self.num_return_sequences} hypotheses with their scores"
+
+
+GREEDY = Decoding()
+
+
 @dataclass
 class Outcome:
     arrival: float
     done: float = math.nan
     first_token: float = math.nan
-    tokens: list | None = None
+    tokens: list | None = None  # the new tokens; with beams, one list per hypothesis
+    scores: list | None = None  # beam search: each hypothesis's score
     error: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        if not self.tokens or not isinstance(self.tokens[0], list):
+            return len(self.tokens or [])
+        return sum(len(tokens) for tokens in self.tokens)
 
 
 def new_tokens_of(row: torch.Tensor, request: LoadRequest, eos_token_id: int) -> list[int]:
@@ -51,6 +95,23 @@ def new_tokens_of(row: torch.Tensor, request: LoadRequest, eos_token_id: int) ->
     `max_new_tokens`, up to its first EOS included."""
     tokens = row[1 : 1 + request.max_new_tokens].tolist()
     return tokens[: tokens.index(eos_token_id) + 1] if eos_token_id in tokens else tokens
+
+
+def results_of(output, requests: list[LoadRequest], decoding: Decoding, eos_token_id: int) -> list[tuple]:
+    """`(tokens, scores)` of each request of a `generate` output on `requests` (in order): greedy, its row's tokens
+    and None; beam search, its `num_return_sequences` rows' tokens and `sequences_scores`."""
+    if not decoding.beams:
+        sequences = output if isinstance(output, torch.Tensor) else output.sequences
+        return [
+            (new_tokens_of(row, request, eos_token_id), None) for row, request in zip(sequences, requests, strict=True)
+        ]
+    per = decoding.num_return_sequences
+    results = []
+    for index, request in enumerate(requests):
+        rows = range(index * per, (index + 1) * per)
+        tokens = [new_tokens_of(output.sequences[row], request, eos_token_id) for row in rows]
+        results.append((tokens, [float(output.sequences_scores[row]) for row in rows]))
+    return results
 
 
 class _FirstStep(BaseStreamer):
@@ -133,15 +194,16 @@ class _QueueServer(Strategy):
                         self.outcomes[request.index].done = time.perf_counter()
                     continue
             done = time.perf_counter()
-            for request, tokens in zip(batch, results, strict=True):
+            for request, (tokens, scores) in zip(batch, results, strict=True):
                 outcome = self.outcomes[request.index]
-                outcome.tokens, outcome.first_token, outcome.done = tokens, first_step, done
+                outcome.tokens, outcome.scores, outcome.first_token, outcome.done = tokens, scores, first_step, done
 
     def _next_batch(self) -> list[LoadRequest] | None:
         request = self._queue.get()
         return None if request is None else [request]
 
-    def run_batch(self, batch: list[LoadRequest]) -> tuple[float, list[list[int]]]:
+    def run_batch(self, batch: list[LoadRequest]) -> tuple[float, list[tuple]]:
+        """`(first step's time, [(tokens, scores) of each request])`."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -152,18 +214,23 @@ class _QueueServer(Strategy):
 class OneAtATime(_QueueServer):
     name = "one-at-a-time"
 
-    def __init__(self, model):
+    def __init__(self, model, *, decoding: Decoding = GREEDY):
         self.model = self.hooked = model
+        self.decoding = decoding
         super().__init__()
 
     def run_batch(self, batch):
         (request,) = batch
-        self.seats.append(1)
-        streamer = _FirstStep()
+        self.seats.append(self.decoding.num_beams)
+        streamer = None if self.decoding.beams else _FirstStep()  # generate streams no beam search
         out = self.model.generate(
-            input_ids=request.input_ids, max_new_tokens=request.max_new_tokens, do_sample=False, streamer=streamer
+            input_ids=request.input_ids,
+            max_new_tokens=request.max_new_tokens,
+            streamer=streamer,
+            **self.decoding.generate_kwargs(),
         )
-        return streamer.stamp, [new_tokens_of(out[0], request, self.model.generation_config.eos_token_id)]
+        eos = self.model.generation_config.eos_token_id
+        return (math.nan if streamer is None else streamer.stamp), results_of(out, batch, self.decoding, eos)
 
 
 class _Batcher(_QueueServer):
@@ -204,33 +271,35 @@ def _right_padded(batch: list[LoadRequest], pad_token_id: int) -> dict:
 class StaticBatching(_Batcher):
     name = "static-batching"
 
-    def __init__(self, model, *, cache_config: dict, **kwargs):
+    def __init__(self, model, *, cache_config: dict, decoding: Decoding = GREEDY, **kwargs):
         self.model = self.hooked = model
         self.cache_config = cache_config
+        self.decoding = decoding
         super().__init__(**kwargs)
 
     def run_batch(self, batch):
-        streamer = _FirstStep()
+        streamer = None if self.decoding.beams else _FirstStep()
         out = self.model.generate(
             **_right_padded(batch, self.model.generation_config.pad_token_id),
             max_new_tokens=max(request.max_new_tokens for request in batch),
-            do_sample=False,
             streamer=streamer,
             cache_implementation="flexible_static",
             cache_config=self.cache_config,
+            **self.decoding.generate_kwargs(),
         )
         eos = self.model.generation_config.eos_token_id
-        return streamer.stamp, [new_tokens_of(row, request, eos) for row, request in zip(out, batch, strict=True)]
+        return (math.nan if streamer is None else streamer.stamp), results_of(out, batch, self.decoding, eos)
 
 
 class CTranslate2Batching(_Batcher):
     name = "ctranslate2"
 
-    def __init__(self, model, *, threads: int, **kwargs):
+    def __init__(self, model, *, threads: int, decoding: Decoding = GREEDY, **kwargs):
         from .ctranslate2 import CTranslate2Runner
 
         (self.runner,) = CTranslate2Runner.from_model(model, threads=threads)  # fp32, the torch rows' type
         self.eos_token_id = model.generation_config.eos_token_id
+        self.decoding = decoding
         super().__init__(**kwargs)
 
     def allocations(self) -> int | None:
@@ -245,25 +314,32 @@ class CTranslate2Batching(_Batcher):
             if not stamps:
                 stamps.append(time.perf_counter())
 
+        beams = self.decoding.beams
         results = self.runner.translator.translate_batch(
             source,
-            beam_size=1,
+            beam_size=self.decoding.num_beams,
+            num_hypotheses=self.decoding.num_return_sequences,
+            return_scores=beams,
             max_decoding_length=max(request.max_new_tokens for request in batch),
             return_end_token=True,
-            callback=on_token,
+            callback=None if beams else on_token,  # CTranslate2 calls it for greedy search only
         )
-        tokens = []
+        answers = []
         for result, request in zip(results, batch, strict=True):
-            ids = [index[token] for token in result.hypotheses[0]][: request.max_new_tokens]
-            tokens.append(ids[: ids.index(self.eos_token_id) + 1] if self.eos_token_id in ids else ids)
-        return (stamps[0] if stamps else math.nan), tokens
+            hypotheses = []
+            for hypothesis in result.hypotheses:
+                ids = [index[token] for token in hypothesis][: request.max_new_tokens]
+                hypotheses.append(ids[: ids.index(self.eos_token_id) + 1] if self.eos_token_id in ids else ids)
+            answers.append((hypotheses, list(result.scores)) if beams else (hypotheses[0], None))
+        return (stamps[0] if stamps else math.nan), answers
 
 
 class InFlight(Strategy):
-    def __init__(self, model, *, cache_config: dict, compile_config=None, max_queue: int):
+    def __init__(self, model, *, cache_config: dict, compile_config=None, max_queue: int, decoding: Decoding = GREEDY):
         from ..serving import Engine
 
         super().__init__()
+        self.decoding = decoding
         self.name = "in-flight-compiled" if compile_config is not None else "in-flight"
         self.model = model
         self.engine = Engine(model, cache_config=cache_config, compile_config=compile_config, max_queue=max_queue)
@@ -284,21 +360,24 @@ class InFlight(Strategy):
     def submit(self, request: LoadRequest, arrival: float) -> None:
         outcome = self.outcomes[request.index] = Outcome(arrival=arrival)
         eos = self.model.generation_config.eos_token_id
+        decoding = self.decoding
         self.seats.append(self.engine.seats_in_use)
 
         def finished(handle) -> None:
             error = handle.exception(timeout=0)
             if error is None:
-                outcome.tokens = new_tokens_of(handle.result(timeout=0)[0], request, eos)
+                ((outcome.tokens, outcome.scores),) = results_of(handle.result(timeout=0), [request], decoding, eos)
             else:
                 outcome.error = repr(error)
-            outcome.first_token = handle.first_token_at if handle.first_token_at is not None else math.nan
+            # with beams the tokens come at the end, whole: no first token to time
+            streamed = handle.first_token_at is not None and not decoding.beams
+            outcome.first_token = handle.first_token_at if streamed else math.nan
             outcome.done = handle.finished_at
             with self._lock:
                 self.seats.append(self.engine.seats_in_use)
 
         handle = self.engine.submit(
-            input_ids=request.input_ids, max_new_tokens=request.max_new_tokens, do_sample=False
+            input_ids=request.input_ids, max_new_tokens=request.max_new_tokens, **decoding.generate_kwargs()
         )
         handle.add_done_callback(finished)
 
@@ -310,24 +389,28 @@ class InFlight(Strategy):
         self.engine.close(drain=True, timeout=120)
 
 
-def build_strategies(names, upstream, flex, *, args, max_encoder_len: int) -> list[Strategy]:
+def build_strategies(
+    names, upstream, flex, *, args, max_encoder_len: int, decoding: Decoding = GREEDY
+) -> list[Strategy]:
     capacities = {"max_batch_size": args.max_batch_size, "max_cache_len": args.max_new_tokens + 1}
     capacities["max_encoder_len"] = max_encoder_len
+    batch_requests = max(1, args.max_batch_size // decoding.num_beams)  # a batch's requests: as many rows as seats
     strategies = []
     for name in names:
         if name == "one-at-a-time":
-            strategies.append(OneAtATime(upstream))
+            strategies.append(OneAtATime(upstream, decoding=decoding))
         elif name == "static-batching":
             strategies.append(
                 StaticBatching(
                     flex,
                     cache_config={**capacities, "on_overflow": "error"},
-                    max_batch_size=args.max_batch_size,
+                    decoding=decoding,
+                    max_batch_size=batch_requests,
                     timeout=args.batch_timeout,
                 )
             )
         elif name == "in-flight":
-            strategies.append(InFlight(flex, cache_config=capacities, max_queue=args.max_queue))
+            strategies.append(InFlight(flex, cache_config=capacities, max_queue=args.max_queue, decoding=decoding))
         elif name == "in-flight-compiled":
             if args.quick:  # one graph, traced by dynamo and run eagerly: the path, not the speed
                 compile_config, shapes = _quick_compile_config(), {"shape_policy": "padded"}
@@ -337,7 +420,11 @@ def build_strategies(names, upstream, flex, *, args, max_encoder_len: int) -> li
                 compile_config = compile_config_for_cpu()
                 shapes = {"shape_policy": "bucketed", "buckets": default_buckets(capacities)}  # as `serve --compile`
             strategy = InFlight(
-                flex, cache_config={**capacities, **shapes}, compile_config=compile_config, max_queue=args.max_queue
+                flex,
+                cache_config={**capacities, **shapes},
+                compile_config=compile_config,
+                max_queue=args.max_queue,
+                decoding=decoding,
             )
             if args.quick:
                 strategy.notes.append("--quick: compiled with dynamo's eager backend (no inductor), padded policy")
@@ -345,7 +432,11 @@ def build_strategies(names, upstream, flex, *, args, max_encoder_len: int) -> li
         elif name == "ctranslate2":
             strategies.append(
                 CTranslate2Batching(
-                    upstream, threads=args.threads, max_batch_size=args.max_batch_size, timeout=args.batch_timeout
+                    upstream,
+                    threads=args.threads,
+                    decoding=decoding,
+                    max_batch_size=batch_requests,
+                    timeout=args.batch_timeout,
                 )
             )
         else:

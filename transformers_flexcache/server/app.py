@@ -76,6 +76,10 @@ class ServedModel:
         eos = model.generation_config.eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.pad_token_id = model.generation_config.pad_token_id
+        start = model.generation_config.decoder_start_token_id
+        self.decoder_start_token_id = (
+            start if start is not None else getattr(model.config, "decoder_start_token_id", None)
+        )
 
     # --- checks every route makes -----------------------------------------------------------------------------
     def check_request(self, model: str | None, *, route: str, needs: str) -> None:

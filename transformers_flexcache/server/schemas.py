@@ -1,14 +1,17 @@
 """OpenAI's request bodies, answers and error body, as the server speaks them.
 
 Fields follow OpenAI's API reference (legacy completions, audio transcriptions). `top_k`, `min_tokens`,
-`repetition_penalty` and `return_token_ids` are vLLM's extra parameters, under vLLM's names. Unknown fields are refused, as
-OpenAI's API does ("Unrecognized request argument"), so that a misspelt parameter is never silently ignored.
+`repetition_penalty`, `return_token_ids`, `return_tokens_as_token_ids`, `use_beam_search` and `length_penalty` are
+vLLM's extra parameters, under vLLM's names; `num_beams` and `early_stopping` are `generate`'s, and `target_prefix`
+CTranslate2's (see `completions.py` and `beams.py`). Unknown fields are refused, as OpenAI's API does ("Unrecognized
+request argument"), so that a misspelt parameter is never silently ignored.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -64,7 +67,7 @@ class CompletionRequest(BaseModel):
 
     model: str | None = None
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: with echo, the score of the echoed tokens
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     n: int = Field(default=1, ge=1, le=128)
@@ -77,11 +80,19 @@ class CompletionRequest(BaseModel):
     min_tokens: int = Field(default=0, ge=0)
     repetition_penalty: float | None = Field(default=None, gt=0)
     return_token_ids: bool = False  # choices then hold `token_ids` (each sequence's own) and `prompt_token_ids`
-    # OpenAI's fields that this server refuses unless left at their defaults (see `unsupported`)
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:{id}"
+    # OpenAI's echo and logprobs (`completions.py`), and beam search (`beams.py`)
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0)
+    best_of: int | None = Field(default=None, ge=1)
+    use_beam_search: bool = False
+    num_beams: int | None = Field(default=None, ge=1)
+    length_penalty: float | None = None
+    early_stopping: bool | Literal["never"] | None = None
+    # the decoder's first tokens (encoder-decoder models): a text, token ids, or one of either per prompt
+    target_prefix: str | list[int] | list[str] | list[list[int]] | None = None
+    # OpenAI's fields that this server refuses unless left at their defaults (see `unsupported`)
     suffix: str | None = None
-    best_of: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -90,10 +101,7 @@ class CompletionRequest(BaseModel):
     def unsupported(self) -> APIError | None:
         """The first field set to something this server does not do, as a 400, or None."""
         why = {
-            "echo": (self.echo, "the completion is the new text only"),
-            "logprobs": (self.logprobs is not None, "log probabilities are not returned"),
             "suffix": (self.suffix is not None, "there is no fill-in-the-middle"),
-            "best_of": (self.best_of not in (None, self.n), "ask for n completions and choose yourself"),
             "presence_penalty": (bool(self.presence_penalty), "pass repetition_penalty (generate's) instead"),
             "frequency_penalty": (bool(self.frequency_penalty), "pass repetition_penalty (generate's) instead"),
             "logit_bias": (bool(self.logit_bias), "generate's sequence_bias is not exposed"),
@@ -102,8 +110,9 @@ class CompletionRequest(BaseModel):
             if is_set:
                 value = getattr(self, name)
                 return APIError(400, f"{name}={value!r} is not supported by this server: {fix}", param=name)
-        if self.return_token_ids and self.stream:
-            return APIError(400, "return_token_ids is served without stream only: leave one out", param="stream")
+        for name in ("return_token_ids", "echo", "logprobs"):
+            if getattr(self, name) not in (False, None) and self.stream:
+                return APIError(400, f"{name} is served without stream only: leave one out", param="stream")
         if isinstance(self.stop, list) and not all(self.stop):
             return APIError(
                 400, f"stop={self.stop!r} holds an empty sequence: every stop sequence needs text", param="stop"
@@ -123,8 +132,10 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def completion_choice(index: int, text: str, finish_reason: str | None, **extra) -> dict:
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason, **extra}
+def completion_choice(
+    index: int, text: str, finish_reason: str | None, *, logprobs: dict | None = None, **extra
+) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason, **extra}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -117,7 +117,7 @@ WING_LEVELS = {
     f"{PACKAGE}.generate": 2,
     f"{PACKAGE}.compile": 3,
     f"{PACKAGE}.models": 3,
-    f"{PACKAGE}.generic": 3,  # the pickle path of models/generic.py's classes
+    f"{PACKAGE}.generic": 3,  # the old pickle path of models/generic.py's classes
     f"{PACKAGE}.saved": 3,  # the entry point of saved folders (models)
     "model_overrides": 3,
     f"{PACKAGE}.serving": 4,

@@ -1,7 +1,7 @@
-"""The module path that the generic route's `Flex<UpstreamName>` classes pickle under (`models.generic.PICKLE_MODULE`).
+"""The module path that the generic route's `Flex<UpstreamName>` classes were pickled under before they moved.
 
-Their code is `models/generic.py`; this module resolves any `Flex<UpstreamName>` by name, so that pickles and saved
-references made before that code moved keep loading.
+Their code and module are `models/generic.py` (their `__module__`); this module resolves any `Flex<UpstreamName>` by
+name, so that pickles and saved references made before that code moved keep loading.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from tests.helpers import NOISE_MARGIN, in_double, to_double
+from tests.helpers import NOISE_MARGIN, in_double, to_double, ulp_floor
 from tests.model_cases import (
     BART,
     GEMMA3_TEXT,
@@ -114,11 +114,14 @@ def program_inputs(inputs: dict) -> dict:
 def assert_close_logits(
     got: torch.Tensor, want: torch.Tensor, exact: torch.Tensor, where: str, *, margin=NOISE_MARGIN
 ):
-    """`got` within `margin` times the float noise of `want` (its distance from `exact`, the float64 computation)."""
+    """`got` within `margin` times the float noise of `want` (its distance from `exact`, the float64 computation), or
+    within `ulp_floor` of `want` where that is larger (tests/helpers.py)."""
     noise = (want.double() - exact.double()).abs().max().item()
     diff = (got - want).abs().max().item()
-    assert diff <= margin * noise, (
-        f"{where}: logits differ by {diff:.3g}, over {margin} times their float noise {noise:.3g}"
+    atol = max(margin * noise, ulp_floor(want))
+    assert diff <= atol, (
+        f"{where}: logits differ by {diff:.3g}, over {margin} times their float noise {noise:.3g} "
+        f"(and its floor: tolerance {atol:.3g})"
     )
 
 

@@ -1,4 +1,4 @@
-"""The generic route (`transformers_flexcache.generic`): decoder-only models that need no module change.
+"""The generic route (`transformers_flexcache.models.generic`): decoder-only models that need no module change.
 
 The listed types (`models.catalogue.GENERIC_MODEL_TYPES`) run the whole `MODEL_CASES` matrix; this file checks how a class is
 judged from its source and its config, that a generated class is found by name like a written one, that a model type
@@ -80,6 +80,8 @@ def test_a_generated_class_is_built_once_and_found_by_name_like_a_written_one():
     assert generic.FlexQwen2ForCausalLM is flex_class
     assert saved.override_class("FlexQwen2ForCausalLM") is flex_class
     assert pickle.loads(pickle.dumps(flex_class)) is flex_class
+    # a pickle made when the classes named the package's `generic` module (GLOBAL opcode: module, name) still loads
+    assert pickle.loads(b"ctransformers_flexcache.generic\nFlexQwen2ForCausalLM\n.") is flex_class
 
 
 def test_a_class_with_a_written_override_gets_no_generated_one():

@@ -7,6 +7,8 @@ class it overrides (found generically, as `register()` finds them), so a new ove
 from __future__ import annotations
 
 import copy
+import inspect
+import sys
 
 import pytest
 import torch
@@ -66,6 +68,23 @@ def unregistered():
     unregister()
     yield
     unregister()
+
+
+def test_every_registered_class_names_an_imported_module_that_holds_it_and_has_a_file():
+    # Issue 58: the generated classes named `transformers_flexcache.generic`, a module nobody imports, so that
+    # upstream's own tests (`inspect.getfile(type(model))`, `sys.modules[cls.__module__]`) raised on them.
+    register()
+    registered = {
+        flex_class
+        for mapping in auto_mappings()
+        for flex_class in mapping._extra_content.values()
+        if isinstance(flex_class, type) and hasattr(flex_class, "flex_upstream_class")
+    }
+    assert set(flex_model_classes()) <= registered
+    for flex_class in sorted(registered, key=lambda flex_class: flex_class.__name__):
+        module = sys.modules[flex_class.__module__]
+        assert getattr(module, flex_class.__qualname__) is flex_class, flex_class
+        assert inspect.getfile(flex_class) == module.__file__
 
 
 @pytest.mark.parametrize(

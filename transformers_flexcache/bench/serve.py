@@ -85,12 +85,17 @@ class LoadRow:
     notes: list = field(default_factory=list)
 
 
-def make_stream(config, *, num_requests: int, seed: int, quick: bool) -> list[LoadRequest]:
-    """Seeded requests: source lengths 8-128 (4-12 with `quick`), 8-64 new tokens (2-8), Poisson arrivals at 1/s."""
+def make_stream(
+    config, *, num_requests: int, seed: int, quick: bool, max_new_tokens: int | None = None
+) -> list[LoadRequest]:
+    """Seeded requests: source lengths 8-128 (4-12 with `quick`), 8-64 new tokens (2-8, and at most
+    `max_new_tokens`, the capacity's), Poisson arrivals at 1/s."""
     generator = torch.Generator().manual_seed(seed)
     allowed = torch.tensor([i for i in range(config.vocab_size) if i not in _special_ids(config)])
     low, high = (4, 12) if quick else (8, 128)
     new_low, new_high = (2, 8) if quick else (8, 64)
+    if max_new_tokens is not None:
+        new_low, new_high = min(new_low, max_new_tokens), min(new_high, max_new_tokens)
     arrival, stream = 0.0, []
     for index in range(num_requests):
         arrival += float(torch.empty(()).exponential_(generator=generator))
@@ -366,7 +371,13 @@ def _run(args) -> int:
     for model_name in [name.strip() for name in args.models.split(",") if name.strip()]:
         bench_model = BENCH_MODELS[model_name]
         upstream, flex = build_models(bench_model, quick=args.quick, seed=args.seed)
-        stream = make_stream(upstream.config, num_requests=args.requests, seed=args.seed, quick=args.quick)
+        stream = make_stream(
+            upstream.config,
+            num_requests=args.requests,
+            seed=args.seed,
+            quick=args.quick,
+            max_new_tokens=args.max_new_tokens,
+        )
         max_encoder_len = max(request.input_ids.shape[1] for request in stream)
         # Dynamo counts graphs per function, across models: every model's decode step is `FlexModelMixin.__call__`,
         # so the previous model's graphs (its strategies are closed) would count against this one's limit.

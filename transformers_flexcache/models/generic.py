@@ -18,10 +18,12 @@ How a model is judged eligible (`reasons_against`, `config_reasons_against`):
   sizes), and the conditions of the reviewed reads hold.
 
 Design decisions:
-- Classes are built once per upstream class and kept; their `__module__` is `transformers_flexcache.generic`
-  (`PICKLE_MODULE`, a small module that, like this one, resolves any `Flex<UpstreamName>` by name with a module
-  `__getattr__`), so pickling, `saved.override_class` and a saved folder's `modeling_flexcache.py` find a generated
-  class like a written one, under the path it was pickled with before this code moved to `models/`.
+- Classes are built once per upstream class and kept in this module, which is their `__module__`: it is imported
+  whenever one exists (it builds them), so `sys.modules[cls.__module__]` and `inspect.getfile(cls)` answer as for a
+  written class (upstream's tests ask both), and any `Flex<UpstreamName>` resolves by name with a module
+  `__getattr__`, so that pickling, `saved.override_class` and a saved folder's `modeling_flexcache.py` find a
+  generated class like a written one. `transformers_flexcache.generic` resolves the same names under the path that
+  pickles made before this code moved to `models/` name.
 - Nothing is registered here: `models/registry.py` registers the generated classes of `models.catalogue.GENERIC_MODEL_TYPES` (the
   types the test matrix covers) and converts any other eligible model on request.
 - A class with a written override (`model_overrides/<model_type>.py`, one module per type) is never generated: that
@@ -47,8 +49,6 @@ from ..generate.request import FLEXIBLE_STATIC
 from .modeling import FlexModelMixin
 from .source_check import CacheRead, upstream_cache_reads
 
-# The module path generated classes pickle under (`transformers_flexcache/generic.py` resolves them by name).
-PICKLE_MODULE = "transformers_flexcache.generic"
 # What a model whose code reads cache internals would need instead.
 OVERRIDE_HINT = (
     "an override in model_overrides/{model_type}.py of those methods that reaches the cache only through its public "
@@ -246,15 +246,16 @@ def flex_class_for(upstream_class: type) -> type[GenericFlexModelMixin]:
             name,
             (GenericFlexModelMixin, upstream_class, GenerationMixin),
             {
-                "__module__": PICKLE_MODULE,
+                "__module__": __name__,  # imported wherever the class exists, unlike a module nobody imports
                 "__qualname__": name,
                 "__doc__": (
                     f'`{upstream_class.__name__}` whose generate accepts `cache_implementation="flexible_static"`: '
-                    "no module change (built by transformers_flexcache.generic)."
+                    "no module change (built by transformers_flexcache.models.generic)."
                 ),
             },
         )
         _built[upstream_class] = flex_class
+        globals()[name] = flex_class  # held by its module, as a written class is
         return flex_class
 
 

@@ -3,6 +3,9 @@
 - `app.py`: `create_app(...)`: the FastAPI application, its small routes (`/health`, `/metrics`, `/v1/models`), the
   error bodies, and what the routes share (`ServedModel`);
 - `completions.py`: `POST /v1/completions`: OpenAI's parameters as `generate` arguments, answers and SSE streams;
+- `decoding.py`: how a completion's tokens are chosen (greedy, sampling, beam search) from OpenAI's and vLLM's fields;
+- `logprobs.py`: the log probabilities of a completion's tokens, as OpenAI's `logprobs` object;
+- `scoring.py`: the score of given tokens (`echo` with `logprobs`), by forced decoding on the engine;
 - `transcriptions.py`: `POST /v1/audio/transcriptions`: a WAV file through the checkpoint's processor to Whisper;
 - `audio.py`: WAV decoding and resampling (the standard library's `wave`, numpy);
 - `text.py`: a sequence's completion text (stop sequences, finish reason) and its pieces for a stream;

@@ -28,12 +28,19 @@ With `cache_config={"shape_policy": "padded"}` (fixed shapes for `torch.compile`
 - Encoder outputs are padded with the mask this decoder reads, `encoder_attention_mask`
   (`_flex_encoder_mask_key`); Whisper's `attention_mask` masks log-mel frames, not encoder positions.
 
+For serving long audio (`serving/`, `server/transcriptions.py`), two more:
+- `_flex_encoder_len` counts one window's encoder positions for long-form features (upstream's generate encodes them
+  a window at a time), so that a long recording fits a cache sized for one window.
+- `generate(..., segment_listener=fn)` calls `fn(row, segments, window_start_s)` as each window's segments are made
+  (`_retrieve_segment`), so that a server can stream them; upstream only returns them at the end.
+
 Shapes: B batch, S new decoder tokens, L_enc encoder length (live), d d_model.
 """
 
 from __future__ import annotations
 
 import copy
+from contextvars import ContextVar
 
 import torch
 from transformers import GenerationMixin
@@ -265,6 +272,9 @@ class _RowOf:
         self.rows, self.index = rows, index
 
 
+_SEGMENT_LISTENER: ContextVar = ContextVar("flexcache_whisper_segment_listener", default=None)
+
+
 class FlexWhisperForConditionalGeneration(
     FlexModelMixin, WhisperForConditionalGeneration, FlexCacheInnerGenerateMixin, GenerationMixin
 ):
@@ -282,12 +292,39 @@ class FlexWhisperForConditionalGeneration(
     # Whisper's generate repeats each input per returned sequence before upstream's generate expands beams.
     _flex_repeats_inputs_per_sequence = True
 
+    def generate(self, *args, segment_listener=None, **kwargs):
+        """Wraps `WhisperGenerationMixin.generate` (transformers==5.24.0).
+
+        Differences: `segment_listener` (optional), a callable, is called as `segment_listener(row, segments,
+        window_start_s)` each time a window of a row is transcribed, with the segments that upstream's generate adds
+        for it (its own dicts, as `return_segments=True` returns them) and the start of the window in seconds: a
+        server streams segments as they complete. It sees only this call (a context variable, not the model's state:
+        several generate calls on one model may run in threads at once).
+        """
+        token = _SEGMENT_LISTENER.set(segment_listener)
+        try:
+            return super().generate(*args, **kwargs)
+        finally:
+            _SEGMENT_LISTENER.reset(token)
+
+    def _retrieve_segment(self, **kwargs):
+        """Wraps `WhisperGenerationMixin._retrieve_segment` (transformers==5.24.0), called by its generate with
+        keywords only. Differences: the call's `segment_listener` (see `generate`) hears of the segments."""
+        segments, segment_offset = super()._retrieve_segment(**kwargs)
+        listener = _SEGMENT_LISTENER.get()
+        if listener is not None:
+            row = kwargs["prev_idx"]
+            listener(row, segments, float(kwargs["time_offset"][row]))
+        return segments, segment_offset
+
     def _flex_encoder_len(self, inputs_tensor, model_input_name: str, model_kwargs: dict) -> int:
         """Encoder positions of a call: its encoder's convolutions halve the log-mel frames (`input_features`:
-        `[B, mel, frames]`), unless `encoder_outputs` are given."""
+        `[B, mel, frames]`), unless `encoder_outputs` are given. Features longer than the encoder's window are
+        long-form: Whisper's generate encodes them one window (`max_source_positions` positions) at a time."""
         if model_kwargs.get("encoder_outputs") is not None or model_input_name != "input_features":
             return super()._flex_encoder_len(inputs_tensor, model_input_name, model_kwargs)
-        return int(self._get_feat_extract_output_lengths(torch.tensor(inputs_tensor.shape[-1])))
+        positions = int(self._get_feat_extract_output_lengths(torch.tensor(inputs_tensor.shape[-1])))
+        return min(positions, self.config.max_source_positions)
 
     def _postprocess_outputs(
         self, seek_outputs, decoder_input_ids, return_token_timestamps, generation_config, **kwargs

@@ -16,6 +16,8 @@ Design decisions:
 
 from __future__ import annotations
 
+import itertools
+
 from transformers import (
     BartConfig,
     Gemma3TextConfig,
@@ -445,3 +447,105 @@ def _lookup(table: dict, model_type: str, size: str):
     if model_type not in table:
         raise ValueError(f"no {size} config for model_type={model_type!r}; there are {sorted(table)}")
     return table[model_type]
+
+
+# --- Whisper checkpoints that transcribe: a tokenizer, a processor and a generation config --------------------------
+# Long-form transcription, timestamps, languages and prompts need what a real Whisper checkpoint ships beside its
+# weights: the special tokens in the real order (end of text, start of transcript, languages, tasks, start of previous
+# text, no speech, no timestamps, then one token per timestamp step) and a generation config naming them. These make
+# that for a random model, with no download. `tiny` fits the tests' 3 s window (12 encoder positions of 0.25 s, 13
+# timestamps); `real` is whisper-tiny's layout (51865 ids, 99 languages, 1501 timestamps, 30 s windows).
+WHISPER_TINY_CHUNK_S = 3  # the tiny processor's window: 3 s of 16 kHz audio make 24 frames, 12 encoder positions
+WHISPER_SAMPLING_RATE = 16000
+WHISPER_TINY_LANGUAGES = ("en", "de", "fr")
+
+
+def _byte_level_characters() -> list[str]:
+    """The 256 characters that byte-level BPE writes bytes as (GPT-2's table, which Whisper's tokenizer uses)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    characters, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            characters[byte] = chr(byte)
+        else:
+            characters[byte] = chr(256 + extra)
+            extra += 1
+    return [characters[byte] for byte in range(256)]
+
+
+def whisper_vocabulary(size: str) -> tuple[dict[str, int], list[str]]:
+    """`(text vocabulary, special tokens in id order after it)` of a Whisper tokenizer of `size` (`"tiny"` or
+    `"real"`, see above). Tiny text tokens are the printable ASCII bytes; real ones are the 256 bytes, then filler
+    tokens of two and three letters up to Whisper's 50257 text ids (decodable, never produced by encoding)."""
+    characters = _byte_level_characters()
+    if size == "tiny":
+        text = [characters[byte] for byte in range(ord(" "), ord("~") + 1)]
+        languages, num_timestamps, step = WHISPER_TINY_LANGUAGES, 13, 3 / 12
+    elif size == "real":
+        letters = "abcdefghijklmnopqrstuvwxyz"
+        fillers = ("".join(t) for n in (2, 3, 4) for t in itertools.product(letters, repeat=n))
+        text = list(characters) + list(itertools.islice(fillers, 50257 - 256))
+        from transformers.models.whisper.tokenization_whisper import LANGUAGES
+
+        languages, num_timestamps, step = tuple(LANGUAGES)[:99], 1501, 0.02
+    else:
+        raise ValueError(f"size={size!r}: pass 'tiny' or 'real'")
+    special = ["<|endoftext|>", "<|startoftranscript|>", *(f"<|{code}|>" for code in languages)]
+    special += ["<|translate|>", "<|transcribe|>", "<|startoflm|>", "<|startofprev|>", "<|nospeech|>"]
+    special += ["<|notimestamps|>", *(f"<|{i * step:.2f}|>" for i in range(num_timestamps))]
+    return {token: i for i, token in enumerate(text)}, special
+
+
+def whisper_checkpoint_parts(size: str, *, init_std: float | None = None):
+    """`(config, generation_config, processor)` of a transcribing Whisper of `size`: the zoo's config with the
+    vocabulary of `whisper_vocabulary(size)`, a generation config as real checkpoints ship it (languages, tasks,
+    timestamps, alignment heads), and a `WhisperProcessor` (a tiny 3 s window for `"tiny"`, 30 s for `"real"`)."""
+    from tokenizers import AddedToken
+    from transformers import GenerationConfig, WhisperFeatureExtractor, WhisperProcessor, WhisperTokenizer
+
+    vocab, special = whisper_vocabulary(size)
+    ids = {token: len(vocab) + i for i, token in enumerate(special)}
+    tokenizer = WhisperTokenizer(vocab=vocab, merges=[])
+    tokenizer.add_tokens([AddedToken(token, special=True, normalized=False) for token in special[:-1]])
+    # Timestamps are added tokens that are not special, as in Whisper's own tokenizer.json: decoding keeps them unless
+    # the caller filters them (WhisperTokenizer.decode does).
+    tokenizer.add_tokens([token for token in special if token.startswith("<|") and token[2].isdigit()])
+    eot, sot = ids["<|endoftext|>"], ids["<|startoftranscript|>"]
+    config = tiny_config("whisper") if size == "tiny" else real_config("whisper")
+    config.vocab_size = len(vocab) + len(special)
+    config.pad_token_id = config.bos_token_id = config.eos_token_id = eot
+    config.decoder_start_token_id = sot
+    if init_std is not None:
+        config.init_std = init_std
+    space = vocab[_byte_level_characters()[ord(" ")]]
+    languages = [
+        token for token in special if len(token) in (6, 7) and token[2:-2].isalpha() and token[2:-2].islower()
+    ]
+    generation_config = GenerationConfig(
+        decoder_start_token_id=sot,
+        bos_token_id=eot,
+        eos_token_id=eot,
+        pad_token_id=eot,
+        max_length=config.max_target_positions,
+        no_timestamps_token_id=ids["<|notimestamps|>"],
+        prev_sot_token_id=ids["<|startofprev|>"],
+        is_multilingual=True,
+        lang_to_id={token: ids[token] for token in languages},
+        task_to_id={"translate": ids["<|translate|>"], "transcribe": ids["<|transcribe|>"]},
+        # at most 1 s of silence before the first word, as real checkpoints (50 steps of 0.02 s)
+        max_initial_timestamp_index=4 if size == "tiny" else 50,
+        begin_suppress_tokens=[space, eot],
+        suppress_tokens=[],
+        alignment_heads=[[config.decoder_layers - 1, 0], [config.decoder_layers - 1, 1]],
+    )
+    config.suppress_tokens, config.begin_suppress_tokens = None, None
+    chunk_s = WHISPER_TINY_CHUNK_S if size == "tiny" else 30
+    extractor = WhisperFeatureExtractor(
+        feature_size=config.num_mel_bins,
+        sampling_rate=WHISPER_SAMPLING_RATE,
+        hop_length=chunk_s * WHISPER_SAMPLING_RATE // (2 * config.max_source_positions),
+        chunk_length=chunk_s,
+        n_fft=400,
+    )
+    return config, generation_config, WhisperProcessor(feature_extractor=extractor, tokenizer=tokenizer)

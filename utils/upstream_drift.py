@@ -701,6 +701,11 @@ UPSTREAM: dict[str, Upstream] = {
         "and, for a fallback, rows are copied as it copies them (from `.layers[i].keys/.values`)",
         users=("FlexibleStaticLayer.keys", "FlexibleStaticLayer.values"),
     ),
+    f"{_WHISPER_GEN}._retrieve_segment": Upstream(
+        "a732e1c1b49a5b9d",
+        "ours passes its segments to the call's `segment_listener` (the serving routes stream them): check it is still "
+        "called with keywords, once per window and row, with `prev_idx` and `time_offset`",
+    ),
     f"{_WHISPER_GEN}._stack_split_outputs": Upstream(
         "9feb632b85fb5f01",
         "it stacks per-row caches back from each layer's `keys`/`values`",

@@ -94,3 +94,16 @@ def test_the_beam_search_stream_returns_each_requests_hypotheses_and_scores_as_g
         line.startswith("capacity (highest completed req/s over the loads): in-flight")
         for line in printed.splitlines()
     )
+
+
+def test_the_quick_transcription_stream_serves_long_and_short_recordings_with_upstreams_tokens(tmp_path, capsys):
+    out = tmp_path / "whisper.json"
+    arguments = ["bench-serve", "--quick", "--models", "whisper", "--requests", "4", "--max-new-tokens", "6"]
+    status = main([*arguments, "--loads", "20", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert status == 0, printed  # the engine's tokens equal upstream's generate one recording at a time
+    part = json.loads(out.read_text())["models"]["whisper"]
+    assert [row["strategy"] for row in part["rows"]] == ["one-at-a-time", "in-flight"]
+    assert all(row["tokens_equal"] == row["num_requests"] == 4 and row["failed"] == 0 for row in part["rows"])
+    assert max(part["durations_s"]) > 3  # long-form for the tiny model's 3 s window
+    assert "faster-whisper: left out with --quick" in printed

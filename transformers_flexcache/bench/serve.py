@@ -37,6 +37,8 @@ Design decisions:
 - The garbage collector's heap is frozen once a model's strategies are built and warmed up, for its loads
   (`compile.gc_heap.frozen_heap`), as `serve` freezes it before it opens its port; the collections seen during them are
   reported (`gc`).
+- `--models whisper` runs a transcription stream instead (recordings of mixed lengths, some over Whisper's 30 s window)
+  against upstream's generate one at a time and faster-whisper: `bench/serve_audio.py`.
 - Goals, read off the table: at the offered load where static batching saturates (its completed rate falls below
   90% of the offered one), the compiled engine's request throughput over static batching's (goal: at least 1.5x) and
   its p99 latency over static batching's (at most 0.5x); against CTranslate2 at that load, at least its throughput
@@ -296,7 +298,11 @@ def format_table(rows: list[LoadRow]) -> str:
 
 # --- the command ------------------------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--models", default=",".join(SERVE_MODELS), help="comma-separated: t5, marian")
+    parser.add_argument(
+        "--models",
+        default=",".join(SERVE_MODELS),
+        help="comma-separated: t5, marian, whisper (a transcription stream of recordings of 5-75 s)",
+    )
     parser.add_argument(
         "--strategies",
         default=None,
@@ -369,6 +375,16 @@ def _run(args) -> int:
     # beam search's hypotheses depend on where it must stop (see the module docstring)
     unchecked = {"ctranslate2"} | ({"static-batching"} if decoding.beams else set())
     for model_name in [name.strip() for name in args.models.split(",") if name.strip()]:
+        if model_name == "whisper":  # a transcription stream (`bench/serve_audio.py`)
+            from .serve_audio import run as run_transcriptions
+
+            report["models"]["whisper"] = part = run_transcriptions(args)
+            all_equal &= all(
+                row["tokens_equal"] == row["num_requests"]
+                for row in part["rows"]
+                if row["strategy"] != "faster-whisper"
+            )
+            continue
         bench_model = BENCH_MODELS[model_name]
         upstream, flex = build_models(bench_model, quick=args.quick, seed=args.seed)
         stream = make_stream(

@@ -6,8 +6,10 @@
 - `decoding.py`: how a completion's tokens are chosen (greedy, sampling, beam search) from OpenAI's and vLLM's fields;
 - `logprobs.py`: the log probabilities of a completion's tokens, as OpenAI's `logprobs` object;
 - `scoring.py`: the score of given tokens (`echo` with `logprobs`), by forced decoding on the engine;
-- `transcriptions.py`: `POST /v1/audio/transcriptions`: a WAV file through the checkpoint's processor to Whisper;
-- `audio.py`: WAV decoding and resampling (the standard library's `wave`, numpy);
+- `transcriptions.py`: `POST /v1/audio/transcriptions` and `/v1/audio/translations`: a recording of any length
+  through the checkpoint's processor to Whisper's (long-form) generate, one engine request;
+- `transcript.py`: what Whisper's generate returns as OpenAI's answers (json, text, verbose_json, srt, vtt);
+- `audio.py`: audio files decoded and resampled by FFmpeg's libraries (PyAV);
 - `text.py`: a sequence's completion text (stop sequences, finish reason) and its pieces for a stream;
 - `bridge.py`: a request handle's steps, delivered to the event loop;
 - `schemas.py`: OpenAI's request bodies, answers and error body;

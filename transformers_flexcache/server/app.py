@@ -4,7 +4,8 @@ Design decisions:
 - One model per server, under `model_name` (the checkpoint's path by default, as vLLM names it): a request naming
   another model gets OpenAI's 404 `model_not_found`; one naming none gets this one.
 - Which route answers follows what the model takes (`model.main_input_name`): token ids -> `/v1/completions`;
-  audio features, with the checkpoint's processor -> `/v1/audio/transcriptions`. The other answers 400, saying so.
+  audio features, with the checkpoint's processor -> `/v1/audio/transcriptions` and `/v1/audio/translations`. The
+  others answer 400, saying so.
 - Every error is OpenAI's error body. FastAPI's validation errors (its 422 `detail` list) become 400s naming the
   field, as OpenAI's API and vLLM answer them.
 - `Engine.submit`'s refusals map to HTTP: `CapacityError` -> 400 naming the server flag that fits (`hints` say which
@@ -44,7 +45,7 @@ CAPACITY_FLAGS = {
     "max_encoder_len": "--max-encoder-len",
 }
 # The routes' own labels in the metrics; any other path is "other".
-ROUTES = {"/v1/completions", "/v1/audio/transcriptions", "/v1/models", "/health", "/metrics"}
+ROUTES = {"/v1/completions", "/v1/audio/transcriptions", "/v1/audio/translations", "/v1/models", "/health", "/metrics"}
 DISCONNECT_POLL_S = 0.5  # how often a waiting request checks that its client is still there
 
 

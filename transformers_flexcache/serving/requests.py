@@ -52,6 +52,9 @@ MODEL_INPUTS = (
     "flattened_patches",
     "encoder_outputs",
 )
+# Tensors that `generate` takes for the request as a whole, not as batched model inputs (Whisper's `prompt_ids`, one
+# prompt of shape [P]): passed to the request's generate as given.
+GENERATE_TENSORS = ("prompt_ids",)
 ENGINE_CONFIG_KEYS = ("max_batch_size", "max_cache_len", "max_encoder_len", "shape_policy", "buckets")
 
 
@@ -99,6 +102,8 @@ def check_request(engine, seed: int | None, kwargs: dict, *, on_cancel) -> Reque
     if kwargs.get("use_cache") is False:
         raise ValueError("Engine.submit does not take use_cache=False: the engine serves from its cache")
     for name, value in kwargs.items():
+        if name in GENERATE_TENSORS:
+            continue
         if isinstance(value, (torch.Tensor, ModelOutput)) and name not in MODEL_INPUTS:
             raise ValueError(
                 f"Engine.submit does not take the model input {name!r}: the engine's batched steps would drop it; "

@@ -171,7 +171,9 @@ class CpuFacts:
         cores = f"; {self.physical_cores} physical cores" if self.physical_cores else ""
         limit = ""
         if self.isa_limit:
-            removed = " ".join(flag for flag in shown if flag in (self.hardware_flags or ()) and flag not in self.flags)
+            removed = " ".join(
+                flag for flag in shown if flag in (self.hardware_flags or ()) and flag not in self.flags
+            )
             limit = f"; limited by {self.isa_limit} (an emulation: the CPU has {removed or 'no more'})"
         return (
             f"{self.model_name or 'unknown CPU'} ({where or 'vendor unknown'}): {flags}; torch {self.capability}"

@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     """Parse `argv` (default: the process arguments), run the subcommand, return its exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # for a rerun in a child (bench --isa)
     return args.handler(args, args.subparser)
 
 

@@ -125,8 +125,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="leave the garbage collector's heap unfrozen during the timed stream (by default it is frozen after the "
         "warm-ups, as `serve` freezes it before opening its port: docs/performance.md)",
     )
+    add_isa_argument(parser)
     parser.add_argument("--json", metavar="PATH", help="write every figure, per strategy and per call, as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of time and cache memory per call (matplotlib)")
+
+
+def add_isa_argument(parser: argparse.ArgumentParser) -> None:
+    """`--isa`, shared by `bench` and `bench-profile` (`isa.py`)."""
+    from .isa import ISA_CHOICES, ISA_ENVIRONMENTS
+
+    parser.add_argument(
+        "--isa",
+        default="native",
+        choices=ISA_CHOICES,
+        help="instructions the kernels may use: native (the CPU's), or avx2: the run in a child process with "
+        f"{', '.join(f'{k}={v}' for k, v in ISA_ENVIRONMENTS['avx2'].items())}, so that torch, oneDNN, MKL, FBGEMM, "
+        "inductor and CTranslate2 dispatch as on an AVX2 CPU (an emulation: this CPU's caches, memory bandwidth "
+        "and clock) and the report's CPU line says so",
+    )
+
+
+def rerun_for_isa(args) -> int | None:
+    """The exit status of the command rerun in a child under `args.isa`'s caps, or None where this process runs it
+    (`--isa native`, or the caps already set: the child itself)."""
+    from .isa import applied, run_in_child
+
+    if getattr(args, "isa", "native") == "native" or applied(args.isa):
+        return None
+    argv = getattr(args, "argv", None)
+    if argv is None:
+        raise ValueError(f"--isa {args.isa} reruns the command line, and this call has none (args.argv)")
+    return run_in_child(argv, args.isa)
 
 
 INDUCTOR_CACHE_NEW = "new"
@@ -250,7 +279,10 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     from .model_run import run_model  # the model stack, imported when the command runs (not for --help)
     from .report import format_footer, format_header, format_model, machine_info, to_json, write_plot
 
-    models, strategies = _resolve(args, parser)
+    models, strategies = _resolve(args, parser)  # bad options refused before a child starts
+    status = rerun_for_isa(args)
+    if status is not None:
+        return status
     if args.plot:
         try:
             import matplotlib  # noqa: F401

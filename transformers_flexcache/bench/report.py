@@ -51,7 +51,8 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_b
 
 
 def isa_info() -> dict:
-    """The CPU's vendor and instruction sets that matter here (`cpu.cpu_facts()`), the kernels the compiled linears
+    """The CPU's vendor and the instruction sets that matter here that its kernels may use (`cpu.cpu_facts()`: the
+    effective ones, after the caps of `bench --isa`; `hardware_flags` the CPU's own), the kernels the compiled linears
     use (`compile_config_for_cpu`'s `"auto"`) and CTranslate2's compute types on this CPU."""
     from ..compile import resolve_int8_linears, resolve_linear_kernels, resolve_one_row_linears
 
@@ -66,7 +67,9 @@ def isa_info() -> dict:
         "vendor": facts.vendor,
         "family": facts.family,
         "model": facts.model,
-        "flags": [flag for flag in ISA_FLAGS if flag in facts.flags],
+        "flags": [flag for flag in ISA_FLAGS if flag in facts.flags],  # those the kernels may use (capped)
+        "hardware_flags": [flag for flag in ISA_FLAGS if flag in (facts.hardware_flags or facts.flags)],
+        "isa_limit": facts.isa_limit,  # the variables that capped them (bench --isa), empty where none did
         "torch_capability": facts.capability,
         "vnni": facts.vnni,
         "amx": facts.amx,

@@ -20,6 +20,13 @@ Design decisions:
   (oneDNN's `_is_mkldnn_bf16_supported` also says True on AVX-512 CPUs without them).
 - Tests force any answer with `forced(**changes)` (a context manager), so that every CPU-dependent branch runs on
   every machine that can run it; the facts themselves are read once per process.
+- The instruction sets are the ones the kernels may use, not only the ones the CPU has: the variables that cap the
+  libraries' dispatch (`ISA_LIMIT_VARIABLES`: ATen's `ATEN_CPU_CAPABILITY`, which inductor's code generation also
+  reads, oneDNN's `ONEDNN_MAX_CPU_ISA`, MKL's `MKL_ENABLE_INSTRUCTIONS`, FBGEMM's `FBGEMM_ENABLE_INSTRUCTIONS`, CTranslate2's `CT2_FORCE_CPU_ISA`) remove
+  the sets above the lowest cap they name from `flags` (`hardware_flags` keeps /proc/cpuinfo's). So a process run
+  with all of them at AVX2 on an AVX-512 CPU (`bench --isa avx2`) answers as an AVX2 CPU would: no VNNI (7-bit
+  int8), no native bf16, and a compile cache entry of its own. It emulates an AVX2 CPU's instructions only: the
+  caches, memory bandwidth and clock stay this CPU's.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 import threading
 from collections.abc import Iterator
 
@@ -48,6 +56,57 @@ ISA_FLAGS = {
     "amx_bf16": "amx_bf16",
 }
 
+# The environment variables that cap which instructions a library's kernels dispatch to (torch's ATen and inductor,
+# oneDNN (two names), MKL, FBGEMM, CTranslate2), as `bench --isa` sets them.
+ISA_LIMIT_VARIABLES = (
+    "ATEN_CPU_CAPABILITY",
+    "ONEDNN_MAX_CPU_ISA",
+    "DNNL_MAX_CPU_ISA",
+    "MKL_ENABLE_INSTRUCTIONS",
+    "FBGEMM_ENABLE_INSTRUCTIONS",
+    "CT2_FORCE_CPU_ISA",
+)
+# The level of each /proc/cpuinfo flag of ISA_FLAGS: a cap at level L keeps the flags of level <= L.
+_FLAG_LEVELS = {"avx2": 2, "fma": 2, "avx_vnni": 2.5}  # avx512* 3, amx* 4 (see _flag_level)
+
+
+def _flag_level(flag: str) -> float:
+    if flag.startswith("amx"):
+        return 4
+    if flag.startswith("avx512"):
+        return 3
+    return _FLAG_LEVELS.get(flag, 0)
+
+
+def _cap_level(value: str) -> float | None:
+    """The level a cap's value names (`"avx2"`, `"AVX2"`, `"AVX512_CORE"`, `"default"`, ...), None for a value this
+    does not know (no cap assumed: the libraries ignore or refuse it themselves)."""
+    value = value.strip().upper()
+    if not value or value == "ALL":
+        return None
+    if "AMX" in value or value.startswith("AVX10"):
+        return 4
+    if value.startswith("AVX512"):
+        return 3
+    if value.startswith("AVX2_VNNI"):
+        return 2.5
+    if value.startswith("AVX2"):
+        return 2
+    if value.startswith("AVX"):
+        return 1.5
+    if value in ("DEFAULT", "GENERIC", "NONE") or value.startswith("SSE"):
+        return 1
+    return None
+
+
+def isa_limit(environ=None) -> tuple[float | None, dict[str, str]]:
+    """`(level, {variable: value})`: the lowest cap that the set `ISA_LIMIT_VARIABLES` of `environ` (default the
+    process's) name, and those variables; level None where none caps anything."""
+    environ = os.environ if environ is None else environ
+    named = {name: environ[name] for name in ISA_LIMIT_VARIABLES if environ.get(name)}
+    levels = [level for level in map(_cap_level, named.values()) if level is not None]
+    return (min(levels) if levels else None), named
+
 
 @dataclasses.dataclass(frozen=True)
 class CpuFacts:
@@ -60,6 +119,10 @@ class CpuFacts:
         flags (`frozenset[str]`): the instruction sets of `ISA_FLAGS` the CPU has, in /proc/cpuinfo's names.
         capability (`str`): the vector width ATen's kernels run (`"AVX512"`, `"AVX2"`, `"DEFAULT"`, ...).
         physical_cores (`int | None`): physical cores, None where unknown.
+        hardware_flags (`frozenset[str] | None`): the instruction sets of `ISA_FLAGS` the CPU has, before the caps of
+            `ISA_LIMIT_VARIABLES` (None: the same as `flags`).
+        isa_limit (`str`): the caps that removed flags (`"ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2"`), empty
+            where none did.
     """
 
     vendor: str | None
@@ -69,6 +132,8 @@ class CpuFacts:
     flags: frozenset[str]
     capability: str
     physical_cores: int | None
+    hardware_flags: frozenset[str] | None = None
+    isa_limit: str = ""
 
     @property
     def is_intel(self) -> bool:
@@ -104,7 +169,16 @@ class CpuFacts:
         shown = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8", "amx_bf16")
         flags = " ".join(flag for flag in shown if flag in self.flags) or "no AVX2"
         cores = f"; {self.physical_cores} physical cores" if self.physical_cores else ""
-        return f"{self.model_name or 'unknown CPU'} ({where or 'vendor unknown'}): {flags}; torch {self.capability}{cores}"
+        limit = ""
+        if self.isa_limit:
+            removed = " ".join(
+                flag for flag in shown if flag in (self.hardware_flags or ()) and flag not in self.flags
+            )
+            limit = f"; limited by {self.isa_limit} (an emulation: the CPU has {removed or 'no more'})"
+        return (
+            f"{self.model_name or 'unknown CPU'} ({where or 'vendor unknown'}): {flags}; torch {self.capability}"
+            f"{cores}{limit}"
+        )
 
 
 def read_proc_cpuinfo(path: str = "/proc/cpuinfo") -> dict[str, str]:
@@ -133,7 +207,11 @@ def _read() -> CpuFacts:
     """The facts of this CPU, from torch's public probes and /proc/cpuinfo (see the module docstring)."""
     capabilities = dict(torch.cpu.get_capabilities())
     info = read_proc_cpuinfo()
-    flags = frozenset(name for torch_name, name in ISA_FLAGS.items() if capabilities.get(torch_name))
+    hardware_flags = frozenset(name for torch_name, name in ISA_FLAGS.items() if capabilities.get(torch_name))
+    level, named = isa_limit()
+    flags = hardware_flags
+    if level is not None:
+        flags = frozenset(flag for flag in hardware_flags if _flag_level(flag) <= level)
 
     def integer(value) -> int | None:
         try:
@@ -149,6 +227,8 @@ def _read() -> CpuFacts:
         flags=flags,
         capability=torch.backends.cpu.get_cpu_capability(),
         physical_cores=integer(capabilities.get("num_physical_cores")) or integer(info.get("physical_cores")),
+        hardware_flags=hardware_flags,
+        isa_limit=" ".join(f"{name}={value}" for name, value in named.items()) if flags != hardware_flags else "",
     )
 
 

@@ -224,7 +224,6 @@ def build_strategies(names: list[str], upstream, flex, processor, *, args, folde
 def run(args) -> dict:
     """The transcription stream under each strategy and load; prints its table, returns its part of the report."""
     from .serve import LOAD_MULTIPLES, format_table, run_stream, summarize
-
     from .serve_strategies import STRATEGIES as TEXT_STRATEGIES
 
     requested = [name.strip() for name in args.strategies.split(",")]

@@ -51,6 +51,7 @@ import argparse
 import json
 import math
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -378,7 +379,7 @@ def _run(args) -> int:
         if model_name == "whisper":  # a transcription stream (`bench/serve_audio.py`)
             from .serve_audio import run as run_transcriptions
 
-            report["models"]["whisper"] = part = run_transcriptions(args)
+            report["models"]["whisper"] = part = run_transcriptions(args, serve=sys.modules[__name__])
             all_equal &= all(
                 row["tokens_equal"] == row["num_requests"]
                 for row in part["rows"]

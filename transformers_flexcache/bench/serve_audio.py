@@ -221,9 +221,10 @@ def build_strategies(names: list[str], upstream, flex, processor, *, args, folde
     return strategies, notes
 
 
-def run(args) -> dict:
-    """The transcription stream under each strategy and load; prints its table, returns its part of the report."""
-    from .serve import LOAD_MULTIPLES, format_table, run_stream, summarize
+def run(args, *, serve) -> dict:
+    """The transcription stream under each strategy and load; prints its table, returns its part of the report.
+    `serve` is `bench/serve.py` (its stream runner, rows and table), passed in: it imports this module."""
+
     from .serve_strategies import STRATEGIES as TEXT_STRATEGIES
 
     requested = [name.strip() for name in args.strategies.split(",")]
@@ -233,18 +234,18 @@ def run(args) -> dict:
     stream = make_audio_stream(processor, num_requests=args.requests, seed=args.seed, quick=args.quick)
     with tempfile.TemporaryDirectory(prefix="flexcache-bench-whisper-") as folder, torch.no_grad():
         strategies, notes = build_strategies(names, upstream, flex, processor, args=args, folder=folder)
-        base_rate = _service_rate(strategies[0], stream)
+        base_rate = _service_rate(strategies[0], stream, serve)
         loads = (
             [float(load) for load in args.loads.split(",")]
             if args.loads
-            else [round(base_rate * multiple, 3) for multiple in LOAD_MULTIPLES]
+            else [round(base_rate * multiple, 3) for multiple in serve.LOAD_MULTIPLES]
         )
         rows = []
         for rate in loads:
             reference = None
             for strategy in strategies:
-                run_stream(strategy, stream, rate, timeout=args.timeout)
-                row = summarize("whisper", strategy, rate, reference)
+                serve.run_stream(strategy, stream, rate, timeout=args.timeout)
+                row = serve.summarize("whisper", strategy, rate, reference)
                 if strategy.name == "one-at-a-time":
                     reference = {index: outcome.tokens for index, outcome in strategy.outcomes.items()}
                     row.tokens_equal = row.num_requests - row.failed
@@ -259,18 +260,16 @@ def run(args) -> dict:
         f"the {window_s} s window), "
         f"at most {args.max_new_tokens} tokens per window; one-at-a-time serves {base_rate:.2f} recordings/s"
     )
-    print(format_table(rows))
+    print(serve.format_table(rows))
     for note in sorted({*notes, *(note for row in rows for note in row.notes)}):
         print(f"note: {note}")
     return {"rows": [asdict(row) for row in rows], "loads": loads, "notes": notes, "durations_s": seconds}
 
 
-def _service_rate(one_at_a_time: Strategy, stream: list[AudioRequest]) -> float:
+def _service_rate(one_at_a_time: Strategy, stream: list[AudioRequest], serve) -> float:
     """Recordings per second that one-at-a-time serves, from its first two recordings run back to back."""
-    from .serve import run_stream
-
     sample = [AudioRequest(i, 0.0, r.samples, r.features) for i, r in enumerate(stream[:2])]
     start = time.perf_counter()
     with contextlib.suppress(TimeoutError):
-        run_stream(one_at_a_time, sample, 1.0, timeout=1800)
+        serve.run_stream(one_at_a_time, sample, 1.0, timeout=1800)
     return len(sample) / (time.perf_counter() - start)

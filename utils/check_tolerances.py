@@ -36,16 +36,16 @@ DIFFERENCE_WORDS = ("abs", "diff", "atol", "tol", "error")
 ALLOWED: dict[tuple[str, str], str] = {
     (
         "server/test_audio.py",
-        "np.testing.assert_allclose(decoded, (left + right) / 2, atol=1e-4)",
-    ): "a WAV decoder against the analytic mean of two 16-bit channels: 16-bit quantization (3e-5), not model output",
+        "np.testing.assert_allclose(decoded, expected, atol=1e-7)",
+    ): "PyAV's mean of two 16-bit channels against the same mean computed by numpy: float32 rounding, not model output",
     (
         "server/test_audio.py",
-        "np.testing.assert_allclose(resample(signal.astype(np.float32), source, target), expected, atol=1e-4)",
-    ): "a resampler against an analytic sine: interpolation error of the resampler, not model output",
+        "np.testing.assert_allclose(decoded[middle], expected[middle], atol=2e-3)",
+    ): "libswresample against an analytic sine away from the edges: its filter's error, not model output",
     (
         "server/test_audio.py",
-        "np.testing.assert_allclose(resample(signal.astype(np.float32), 16000, 8000), tone(440, rate=8000), atol=1e-4)",
-    ): "a resampler against an analytic sine: interpolation error of the resampler, not model output",
+        "np.testing.assert_allclose(decoded[middle], expected[middle], atol=atol)",
+    ): "a lossless codec (flac, float WAV) resampled, against an analytic sine: the resampler's error, not model output",
 }
 
 

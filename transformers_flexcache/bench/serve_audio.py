@@ -227,7 +227,7 @@ def run(args, *, serve) -> dict:
 
     from .serve_strategies import STRATEGIES as TEXT_STRATEGIES
 
-    requested = [name.strip() for name in args.strategies.split(",")]
+    requested = [name.strip() for name in args.strategies.split(",")] if args.strategies else list(TEXT_STRATEGIES)
     # the default --strategies names the text streams' strategies: the transcription stream then runs all of its own
     names = list(STRATEGIES) if requested == list(TEXT_STRATEGIES) else [n for n in requested if n in STRATEGIES]
     upstream, flex, processor = build_models(quick=args.quick, seed=args.seed)

@@ -9,8 +9,8 @@
 #      --exclude='utils/*'` (the sdist has none of those folders; `--check` first) and prints per patch the files and
 #      lines of its code and of its tests, docs and utils hunks;
 #   2. installs the patched sdist in a temporary venv beside your torch and runs there, with this package refused at
-#      import: upstream/tests/test_static_cache_series.py if present, upstream/check_request.py (the original request,
-#      six models) and upstream/check_family.py if present (every encoder-decoder model type of 5.25.0).
+#      import: upstream/check_request.py (the original request, six models) and upstream/check_family.py (every
+#      encoder-decoder model type of 5.25.0). The series' own tests are in its patches (tests/ hunks): step 3.
 # With --tree DIR (a reference tree of transformers v5.25.0 with tests/, docs/ and utils/: /work/upstream/v5.25.0 on
 # the team's machines, built as its PROVENANCE.md says; --tests DIR is an old name for it), then
 #   3. upstream/check_tree.py applies the whole patches to a clone of the tree with `git am` and runs upstream's
@@ -77,16 +77,7 @@ if [ -z "$TREE_ONLY" ]; then
   "$VPY" -m pip install -q pytest parameterized
   echo "patched transformers installed in $(( $(date +%s) - start )) s"
 
-  # 2. The series' tests kept outside the tree (while there are any), the original request, the family
-  if [ -f "$HERE/tests/test_static_cache_series.py" ]; then
-    mkdir "$WORK/series-tests" && cp "$HERE/tests/test_static_cache_series.py" "$WORK/series-tests/"
-    if (cd "$WORK/series-tests" && "$VPY" -m pytest -q -c /dev/null -p no:cacheprovider -p no:xdist \
-      test_static_cache_series.py > "$WORK/series-tests.log" 2>&1); then
-      echo "upstream/tests/test_static_cache_series.py: $(tail -1 "$WORK/series-tests.log")"
-    else
-      tail -30 "$WORK/series-tests.log"; echo "upstream/tests/test_static_cache_series.py failed" >&2; failed=1
-    fi
-  fi
+  # 2. The original request, the family (the series' own tests are in its patches: step 3 runs them)
   echo
   "$VPY" "$HERE/check_request.py" ${CHECK_ARGS:-} || failed=1
   if [ -f "$HERE/check_family.py" ]; then

@@ -9,15 +9,15 @@ and sdpa:
    max_batch_size=4))` (a single `StaticCache` for decoder-only models), `reset()` and passed as `past_key_values` to
    calls of batch 2, 4, 1, 3, 2 and encoder (or prompt) lengths 19, 170, 5, 64, 7;
 2. *generate(cache_implementation="static")*: the same calls with `max_cache_len=200, max_encoder_len=170,
-   max_batch_size=4` (PRs 5 and 7), a new cache per call, all of one shape;
+   max_batch_size=4` (PRs 6 and 8), a new cache per call, all of one shape;
 3. *compiled decode step* (eager attention only): the user cache's calls again with the model's forward compiled
    (`torch._dynamo.testing.CompileCounter`, dynamic shapes) after the prefill: the number of graphs over the five
    calls of different batch and encoder length.
 
 Each call's tokens must equal DynamicCache's (plain `generate`) and its logits agree within 1e-4. Every call passes
-`use_cache=True`: Pix2Struct's configs default to False (see the eighth patch). Whisper's encoder output has one length
-(its input features are fixed), so only its batch varies. Prints one line per model, mode and attention, and exits 1
-if any check fails.
+`use_cache=True`: Pix2Struct's configs default to False (PR 10 makes a passed cache count anyway). Whisper's encoder
+output has one length (its input features are fixed), so only its batch varies. Prints one line per model, mode and
+attention, and exits 1 if any check fails.
 
 Usage: python upstream/check_request.py [--models t5,bart,...] [--attn eager,sdpa] [--no-compile]
 """

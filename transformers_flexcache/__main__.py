@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .log import quiet_dependencies
+
 
 def build_parser() -> argparse.ArgumentParser:
     from .bench import command as bench
@@ -102,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     """Parse `argv` (default: the process arguments), run the subcommand, return its exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    return args.handler(args, args.subparser)
+    with quiet_dependencies():  # lines of torchao and torch that concern no user, printed before ours (log.py)
+        return args.handler(args, args.subparser)
 
 
 if __name__ == "__main__":

@@ -65,20 +65,21 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-_NOISE = _DependencyNoise()
 _NOISY_LOGGERS = ("torchao", "torch.utils._pytree")
 
 
 @contextlib.contextmanager
 def quiet_dependencies():
-    """Within the context, the dependencies' import-time lines of the module docstring are dropped (undone after)."""
+    """Within the context, the dependencies' import-time lines of the module docstring are dropped (undone after;
+    contexts nest: each removes only its own filters)."""
+    noise = _DependencyNoise()
     loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
     for logger in loggers:
-        logger.addFilter(_NOISE)
+        logger.addFilter(noise)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_SCRIPT_METHOD_DEPRECATION, category=DeprecationWarning)
             yield
     finally:
         for logger in loggers:
-            logger.removeFilter(_NOISE)
+            logger.removeFilter(noise)

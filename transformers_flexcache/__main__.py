@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .log import quiet_dependencies
+
 
 def build_parser() -> argparse.ArgumentParser:
     from .bench import command as bench
@@ -103,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # for a rerun in a child (bench --isa)
-    return args.handler(args, args.subparser)
+    with quiet_dependencies():  # lines of torchao and torch that concern no user, printed before ours (log.py)
+        return args.handler(args, args.subparser)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ Subcommands:
     bench-serve  an open-loop stream of requests against one-at-a-time, static batching, the in-flight engine and
                  CTranslate2: throughput and latency at several offered loads
     bench-start  `serve --compile` started twice on one compile cache: seconds until each start answers
+    compile      compile a checkpoint's served decode steps once into a folder that `serve --compiled` loads
     export  export a saved checkpoint to one ExecuTorch .pte that serves every batch and length up to its capacities
     serve   an OpenAI-compatible HTTP server on the in-flight engine (completions, transcriptions, metrics)
 """
@@ -95,6 +96,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve_cli.add_arguments(serve_parser)
     serve_parser.set_defaults(handler=serve_cli.run, subparser=serve_parser)
+    compile_parser = subcommands.add_parser(
+        "compile",
+        help="compile the decode steps `serve --compile` would compile into a folder that `serve --compiled` loads",
+        description=(
+            "Compile a checkpoint's decode step at every bucket that `serve --compile` (with the same capacities and "
+            "--buckets) would compile, with AOTInductor, into a folder: one shared library per bucket with its frozen "
+            "weights, and a manifest keyed by the model, its weights, the shapes, the settings, the versions of torch "
+            "and transformers and the CPU. `serve --compiled DIR` loads it in a fraction of a second, tracing "
+            "nothing; a folder compiled for another key is refused with a warning that says which, and compiled again."
+        ),
+    )
+    serve_cli.add_compile_arguments(compile_parser)
+    compile_parser.set_defaults(handler=serve_cli.run_compile, subparser=compile_parser)
     return parser
 
 

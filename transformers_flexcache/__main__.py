@@ -4,7 +4,8 @@ Subcommands:
     bench        run a stream of generate calls under each cache strategy and compare time, memory and outputs
     bench-serve  an open-loop stream of requests against one-at-a-time, static batching, the in-flight engine and
                  CTranslate2: throughput and latency at several offered loads
-    bench-start  `serve --compile` started twice on one compile cache: seconds until each start answers
+    bench-start  `serve --compile` started cold, on a warm compile cache, and from a compiled artifact: seconds until
+                 each start answers
     compile      compile a checkpoint's served decode steps once into a folder that `serve --compiled` loads
     export  export a saved checkpoint to one ExecuTorch .pte that serves every batch and length up to its capacities
     serve   an OpenAI-compatible HTTP server on the in-flight engine (completions, transcriptions, metrics)
@@ -58,12 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     start_bench_parser = subcommands.add_parser(
         "bench-start",
-        help="start `serve --compile` twice on one compile cache and time each start until it answers",
+        help="start `serve --compile` cold, on a warm compile cache and from a compiled artifact; time each start",
         description=(
             "Save a real-sized random checkpoint of each model, start `serve --compile` on it in a new process, poll "
             "/health and time the port, the end of the warm-up and the first answer; then start it again on the same "
-            "compile cache (--compile-cache of serve) and time the same. Prints the graphs each warm-up traced, "
-            "loaded and compiled; exit status 1 if the second start's tokens differ from the first's."
+            "compile cache (--compile-cache of serve); then run `transformers-flexcache compile` (timed) and start "
+            "`serve --compiled` on its artifact. Prints the graphs each warm-up traced, loaded and compiled; exit "
+            "status 1 if a later start's tokens differ from the cold start's."
         ),
     )
     bench_start.add_arguments(start_bench_parser)

@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from ..compile import compiled_graph_count
 from ..log import get_logger
 
 logger = get_logger(__name__)
@@ -113,6 +114,7 @@ class Warmup:
         """What `/health` says of the warm-up."""
         body = {"state": self.state, "graphs_done": self.done, "graphs_total": self.total}
         body["seconds"] = round(self.seconds if self.seconds is not None else self.elapsed, 1)
+        body["traced"] = compiled_graph_count()  # graphs dynamo traced in this process so far
         warm_start = self.engine.warm_start
         if warm_start is not None:
             body["compile_cache"] = {

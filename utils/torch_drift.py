@@ -126,6 +126,14 @@ TORCH_NAMES: dict[str, TorchName] = {
     "torch._inductor.runtime.cache_dir_utils.temporary_cache_dir": TorchName(
         "object", "compile/caching.py points inductor's on-disk cache at the compile cache entry", ("directory",)
     ),
+    "torch._inductor.aoti_compile_and_package": TorchName(
+        "object",
+        "compile/artifact.py compiles each exported graph of a compiled artifact with AOTInductor",
+        ("exported_program", "package_path", "inductor_configs"),
+    ),
+    "torch._C._aoti.AOTIModelPackageLoader": TorchName(
+        "object", "compile/artifact.py loads a compiled artifact's graphs (a dlopen, no compiler probe)"
+    ),
     "torch.compiler._cache.CacheArtifactManager.with_fresh_cache": TorchName(
         "object", "compile/caching.py saves the artifacts of one entry's compiles alone"
     ),

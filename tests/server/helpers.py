@@ -175,7 +175,9 @@ def assert_sequence_scores_within_float_noise(upstream, answered: list[float], e
     tokens is the exact value of the float32 one. In float64 the beam search can choose other hypotheses (a near tie
     decided the other way): the noise is then measured on the hypotheses both runs returned, by their tokens, and
     bounds every answered score, all of which are compared. Where the runs share no hypothesis there is no such
-    measure, and the test says so rather than guess one."""
+    measure, and the test says so rather than guess one. (Upstream's generate casts each step's logits to float32,
+    so the float64 run's scores carry float32 rounding of their log-softmax and sums: a few ulps, which only add to
+    the measured noise; `ulp_floor` bounds it from below where the two runs agree bit for bit.)"""
     rows, exact_rows = (new_tokens(upstream, output.sequences, prompt_len) for output in (expected, exact))
     want = expected.sequences_scores.double()
     # a hypothesis the float64 run did not return adds no noise: its own expected value stands in for its exact one

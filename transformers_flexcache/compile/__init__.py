@@ -48,6 +48,7 @@ _NAMES = {
     "check_compiled_int8": "quantization",
     # the CPU and the kernels its "auto" options pick
     "cpu_facts": "cpu",
+    "isa_limit": "cpu",
     "resolve_int8_linears": "passes",
     "resolve_linear_kernels": "passes",
     "resolve_one_row_linears": "passes",
@@ -61,6 +62,7 @@ _NAMES = {
     "compile_seconds": "runtime",
     "compiled_graph_count": "runtime",
     "inductor_cache_dir": "runtime",
+    "kernel_profile_compile": "runtime",
     "raise_recompile_limits": "runtime",
     "recompile_limit": "runtime",
     "recompile_limits": "runtime",

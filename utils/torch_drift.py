@@ -101,6 +101,11 @@ TORCH_NAMES: dict[str, TorchName] = {
     "torch._inductor.config.post_grad_custom_post_pass": TorchName(
         "config", "OneRowLinears, Int8DotExpansion, OneQueryAttention after freezing"
     ),
+    "torch._inductor.codegen.cpp.CppScheduling": TorchName(
+        "object",
+        "bench-profile ends a C++ function after each fused group (its MAX_FUSED_KERNEL_ARGS_NUM at 0, "
+        "runtime.kernel_profile_compile), with cpp.enable_kernel_profile",
+    ),
     "torch._inductor.config.patch": TorchName("object", "trace-time inductor settings (padding.compile_settings)"),
     "torch._inductor.custom_graph_pass.CustomGraphPass": TorchName("object", f"the base class of {_PASSES}"),
     "torch._inductor.custom_graph_pass.get_hash_for_files": TorchName(
@@ -148,6 +153,9 @@ TORCH_NAMES: dict[str, TorchName] = {
         "op",
         "frozen fp32 linears of one row that OneRowLinears replaces",
         ("X", "MKL_W", "ORI_W", "B", "batch_size"),
+    ),
+    "torch.ops.mkl._mkl_reorder_linear_weight.default": TorchName(
+        "op", "compile/kernel_choice.py measures MKL's packed linear (as inductor packs it)", ("X", "batch_size")
     ),
     "torch.ops.mkldnn._reorder_linear_weight.default": TorchName(
         "op", "SharedOneDNNWeights packs a frozen weight for oneDNN", ("self", "batch_size")

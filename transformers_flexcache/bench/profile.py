@@ -44,7 +44,6 @@ import subprocess
 import tempfile
 import time
 from collections import defaultdict
-from unittest import mock
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
@@ -251,9 +250,7 @@ def perf_samples(result: dict):
 
 
 def _torch_rows(args, model, config, batches: list[int], log) -> dict:
-    import torch._inductor.config as inductor_config
-
-    from ..compile import compile_settings
+    from ..compile import compile_settings, kernel_profile_compile
     from .models import BENCH_MODELS
     from .strategies import STRATEGIES_BY_NAME
     from .torch_runner import TorchRunner
@@ -265,16 +262,7 @@ def _torch_rows(args, model, config, batches: list[int], log) -> dict:
     runner = TorchRunner(STRATEGIES_BY_NAME[STRATEGY], model, capacities, buckets=buckets)
     generator = torch.Generator().manual_seed(args.seed + 1)
     started = time.perf_counter()
-    from torch._inductor.codegen.cpp import CppScheduling
-
-    from ..compile import inductor_cache_dir
-
-    # A cache folder of its own: inductor's FX graph cache does not key on the patch below, and would hand back the
-    # bench's graphs (one C++ function per step) compiled with the same settings.
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_dir().rstrip("/") + "-bench-profile"
-
-    one_function_per_group = mock.patch.object(CppScheduling, "MAX_FUSED_KERNEL_ARGS_NUM", 0)
-    with inductor_config.patch({"cpp.enable_kernel_profile": True}), one_function_per_group:
+    with kernel_profile_compile():
         runner.warm_up_every_shape(lambda b, n: bench_model.make_inputs(config, b, n, generator), args.new_tokens)
     log(f"compiled {len(batches)} decode graphs and the encoder in {time.perf_counter() - started:.0f} s")
     kwargs = runner.generate_kwargs

@@ -70,6 +70,7 @@ _NAMES = {
     "compile_seconds": "runtime",
     "compiled_graph_count": "runtime",
     "inductor_cache_dir": "runtime",
+    "kernel_profile_compile": "runtime",
     "raise_recompile_limits": "runtime",
     "recompile_limit": "runtime",
     "recompile_limits": "runtime",

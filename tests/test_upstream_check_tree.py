@@ -130,3 +130,42 @@ def test_compare_junit_exits_1_when_a_test_that_passed_unpatched_fails_or_vanish
         text=True,
     )
     assert result.returncode == exit_code, result.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ruff") is None, reason="needs ruff in this interpreter")
+def test_ruff_findings_of_the_unpatched_tree_are_its_baseline(tmp_path):
+    check_tree = load("check_tree")
+    base, tip = tmp_path / "base", tmp_path / "tip"
+    for root, source in ((base, "import os\n"), (tip, "import os\nimport sys\nx = (1,\n)\n")):
+        (root / "src").mkdir(parents=True)
+        (root / "pyproject.toml").write_text('[tool.ruff]\nline-length = 119\n[tool.ruff.lint]\nselect = ["F"]\n')
+        (root / "src" / "mod.py").write_text(source)
+    base_lint, base_format = check_tree.ruff_findings(base, ["src/mod.py", "src/absent.py"])
+    tip_lint, tip_format = check_tree.ruff_findings(tip, ["src/mod.py", "src/absent.py"])
+    assert len(base_lint) == 1 and not base_format, "the unused `os` import, without its line number"
+    new = tip_lint - base_lint
+    assert len(new) == 1 and "`sys`" in next(iter(new)), "only the finding the change adds is new"
+    assert tip_format == {"src/mod.py"}
+
+
+def test_the_signature_of_a_format_patch_file_is_not_a_removed_line(patch_and_tree):
+    check_tree = load("check_tree")
+    diff, _ = patch_and_tree
+    signed = diff + "-- \n2.39.5\n\n"  # how `git format-patch` ends a patch
+    assert check_tree.added_lines(signed) == check_tree.added_lines(diff)
+
+
+def test_a_parameterized_test_function_stands_for_its_generated_methods(tmp_path):
+    check_tree = load("check_tree")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_p.py").write_text(
+        "import unittest\n\n\nclass PTest(unittest.TestCase):\n"
+        "    def test_x_0_llama(self):\n        pass\n\n    def test_x_1_gemma2(self):\n        pass\n\n"
+        "    def test_x_other(self):\n        pass\n\n    def test_y(self):\n        pass\n"
+    )  # what parameterized.expand makes of `test_x` with ["llama", "gemma2"]
+    ids = ["tests/test_p.py::PTest::test_x", "tests/test_p.py::PTest::test_y"]
+    assert check_tree.expand_parameterized(tmp_path, ids) == [
+        "tests/test_p.py::PTest::test_x_0_llama",
+        "tests/test_p.py::PTest::test_x_1_gemma2",
+        "tests/test_p.py::PTest::test_y",
+    ]

@@ -221,18 +221,38 @@ def check_modular(tree: Tree, base: Path, tip: Path, jobs: int) -> bool:
 # (b) style ------------------------------------------------------------------------------------------------------
 
 
-def check_style(tree: Tree, tip: Path) -> bool:
+def ruff_findings(root: Path, files: list[str]) -> tuple[set[str], set[str]]:
+    """(`ruff check` findings without their line and column, files `ruff format --check` would change) under root."""
+    present = [f for f in files if (root / f).exists()]
+    if not present:
+        return set(), set()
+    lint = run(
+        [sys.executable, "-m", "ruff", "check", "--output-format", "concise", *present], root, env=env_for(root)
+    )
+    findings = set()
+    for line in lint.stdout.splitlines():
+        match = re.match(r"^(\S+?):\d+:\d+: (.*)$", line)
+        if match:
+            findings.add(f"{match.group(1)}: {match.group(2)}")
+    fmt = run([sys.executable, "-m", "ruff", "format", "--check", *present], root, env=env_for(root))
+    # ruff 0.14 (the tree's pin) prints "Would reformat: PATH"; later versions a diagnostic with "--> PATH:LINE:COL"
+    pattern = r"^(?:Would reformat: (\S+)|\s*--> (\S+?):\d+:\d+)$"
+    unformatted = {a or b for a, b in re.findall(pattern, fmt.stdout + fmt.stderr, re.M)}
+    return findings, unformatted
+
+
+def check_style(tree: Tree, base: Path, tip: Path) -> bool:
+    """ruff on the touched Python files: what the series adds fails (findings of the unpatched tree are its baseline:
+    the reference tree's test files come from a fork and some already fail the pinned ruff); added lines <= 119."""
     started = time.time()
     files = [f for f in tree.changed_files(tree.commits[0], tree.commits[-1], "*.py")]
-    ok = True
-    if files:
-        for cmd in (["ruff", "check", *files], ["ruff", "format", "--check", *files]):
-            result = run([sys.executable, "-m", *cmd], tip, env=env_for(tip))
-            if result.returncode != 0:
-                ok = False
-                print(
-                    "\n".join("       " + line for line in (result.stdout + result.stderr).strip().splitlines()[:40])
-                )
+    base_lint, base_format = ruff_findings(base, files)
+    tip_lint, tip_format = ruff_findings(tip, files)
+    new_lint, new_format = sorted(tip_lint - base_lint), sorted(tip_format - base_format)
+    for entry in new_lint[:40] + [f"{f}: not formatted as ruff format would" for f in new_format]:
+        print(f"       {entry}")
+    ok = not new_lint and not new_format
+    baseline = len(tip_lint & base_lint) + len(tip_format & base_format)
     long_lines = []
     diff = git(tree.clone, "diff", "-U0", tree.commits[0], tree.commits[-1], "--", "*.py")
     path, line_no = None, 0
@@ -247,7 +267,11 @@ def check_style(tree: Tree, tip: Path) -> bool:
             line_no += 1
     for entry in long_lines:
         print(f"       {entry}")
-    detail = f"{len(files)} Python files; ruff {'clean' if ok else 'NOT clean'}; {len(long_lines)} added line(s) > {MAX_LINE}"
+    detail = (
+        f"{len(files)} Python files; ruff {'clean' if ok else 'NOT clean'}"
+        + (f" ({baseline} finding(s) of the unpatched tree left aside)" if baseline else "")
+        + f"; {len(long_lines)} added line(s) > {MAX_LINE}"
+    )
     return report("ruff and line length", ok and not long_lines, detail, started)
 
 
@@ -255,23 +279,34 @@ def check_style(tree: Tree, tip: Path) -> bool:
 
 
 def added_lines(patch_text: str) -> dict[str, set[int]]:
-    """tests/*.py file -> new-side line numbers a patch adds or next to which it removes lines."""
+    """tests/*.py file -> new-side line numbers a patch adds or next to which it removes lines. Only lines inside a
+    hunk count (by the hunk header's line counts): the `-- ` that opens `git format-patch`'s signature is not a
+    removed line."""
     result: dict[str, set[int]] = {}
-    path, line_no = None, 0
+    path, line_no, old_left, new_left = None, 0, 0, 0
     for line in patch_text.splitlines():
-        if line.startswith("+++ "):
-            path = line[6:] if line.startswith("+++ b/") else None
-            if path and not (path.startswith("tests/") and path.endswith(".py")):
-                path = None
-        elif line.startswith("@@") and path:
-            line_no = int(re.search(r"\+(\d+)", line).group(1))
-        elif path and line.startswith("+"):
-            result.setdefault(path, set()).add(line_no)
-            line_no += 1
-        elif path and line.startswith("-"):
-            result.setdefault(path, set()).add(line_no)
-        elif path and line.startswith(" "):
-            line_no += 1
+        if old_left <= 0 and new_left <= 0:  # between hunks
+            if line.startswith("+++ "):
+                path = line[6:] if line.startswith("+++ b/") else None
+                if path and not (path.startswith("tests/") and path.endswith(".py")):
+                    path = None
+            elif line.startswith("@@"):
+                match = re.match(r"@@ -\d+(?:,(\d+))? \+(\d+)(?:,(\d+))? @@", line)
+                old_left = int(match.group(1) or 1)
+                line_no, new_left = int(match.group(2)), int(match.group(3) or 1)
+            continue
+        if line.startswith("+"):
+            if path:
+                result.setdefault(path, set()).add(line_no)
+            line_no, new_left = line_no + 1, new_left - 1
+        elif line.startswith("-"):
+            if path:
+                result.setdefault(path, set()).add(line_no)
+            old_left -= 1
+        elif line.startswith("\\"):  # "\ No newline at end of file"
+            continue
+        else:  # context (a blank context line may have lost its space)
+            line_no, old_left, new_left = line_no + 1, old_left - 1, new_left - 1
     return result
 
 
@@ -332,6 +367,31 @@ def pytest(tree_dir: Path, targets: list[str], junit: Path, log: Path, extra: li
     return run(cmd, tree_dir, log, env_for(tree_dir), timeout=4 * 3600)
 
 
+def expand_parameterized(tree_dir: Path, ids: list[str]) -> list[str]:
+    """The node ids a test function's id stands for: `parameterized.expand` turns `test_x` into methods
+    `test_x_0_llama`, `test_x_1_gemma2`..., which pytest cannot select by `test_x`. Ids with no such methods are
+    kept as they are (pytest's own parametrization is selected by the function's id)."""
+    files = sorted({test_id.split("::")[0] for test_id in ids})
+    collect = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "--collect-only",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "addopts=",
+        *files,
+    ]
+    collected = run(collect, tree_dir, env=env_for(tree_dir), timeout=1800).stdout.splitlines()
+    expanded = []
+    for test_id in ids:
+        pattern = re.compile(re.escape(test_id) + r"_\d+(?:_\w*)?$")
+        expanded += [node for node in collected if pattern.match(node)] or [test_id]
+    return sorted(set(expanded))
+
+
 def check_patch_tests(tree: Tree, k: int, model_test_files: list[str]) -> bool:
     started = time.time()
     patch = tree.patches[k - 1]
@@ -340,10 +400,11 @@ def check_patch_tests(tree: Tree, k: int, model_test_files: list[str]) -> bool:
     ids, mixin_tests, others = tests_touched(at_k, added_lines(patch.read_text()))
     if not ids and not mixin_tests:
         return report(name, False, f"{patch.name[:40]}... adds or changes no test under tests/", started)
-    targets, extra = list(ids), []
+    # The test ids run as they are, the mixin tests by name (-k) through the model test files: two pytest runs,
+    # so that -k does not deselect the ids.
+    runs = []
     if mixin_tests:
-        targets += model_test_files
-        extra = ["-k", " or ".join(mixin_tests)]
+        runs.append((model_test_files, ["-k", " or ".join(mixin_tests)]))
     outcomes = {}
     for side, commit in (("before", tree.commits[k - 1]), ("after", tree.commits[k])):
         checkout = tree.at("per-patch", commit)
@@ -351,9 +412,13 @@ def check_patch_tests(tree: Tree, k: int, model_test_files: list[str]) -> bool:
             applied = run(["git", "apply", "--include=tests/*", str(patch)], checkout)
             if applied.returncode != 0:
                 return report(name, False, f"its tests/ hunks do not apply alone: {applied.stderr.strip()}", started)
-        junit = tree.work / f"patch{k}-{side}.xml"
-        pytest(checkout, targets, junit, tree.work / f"patch{k}-{side}.log", extra)
-        outcomes[side] = junit_outcomes(junit)
+            if ids:  # the tests/ hunks are in place: collect what each test function became
+                runs.insert(0, (expand_parameterized(checkout, ids), []))
+        outcomes[side] = {}
+        for i, (targets, extra) in enumerate(runs):
+            junit = tree.work / f"patch{k}-{side}-{i}.xml"
+            pytest(checkout, targets, junit, tree.work / f"patch{k}-{side}-{i}.log", extra)
+            outcomes[side].update(junit_outcomes(junit))
     bad, counts = [], {"fail then pass": 0, "skipped on both": 0}
     for test in sorted(set(outcomes["before"]) | set(outcomes["after"])):
         before, after = outcomes["before"].get(test, "absent"), outcomes["after"].get(test, "absent")
@@ -438,7 +503,7 @@ def main(argv: list[str]) -> int:
             )
             results.append(check_modular(tree, base, tip, args.jobs))
         if "style" not in skip:
-            results.append(check_style(tree, tip))
+            results.append(check_style(tree, base, tip))
         if "patches" not in skip:
             results += [check_patch_tests(tree, k, tests) for k in range(1, len(patches) + 1)]
         if args.upstream_tests:

@@ -18,9 +18,10 @@ applied with `git am` to a clone: branch `main` is the tree, branch `series` one
   (b) ruff check and ruff format --check (the tree's pyproject.toml, the pinned version) on the Python files the
       series touches, and no added line in a Python file longer than 119 characters;
   (c) per patch k: the tests it adds or changes (the test functions its diff of tests/ touches; a test of a mixin
-      such as GenerationTesterMixin runs through the test files of the models the series touches) must fail on
-      patches 1..k-1 plus patch k's tests/ hunks only, and pass with patch k whole. A patch that touches no test
-      fails this step, by name;
+      such as GenerationTesterMixin runs through the test files of the models the series touches, or of the models
+      --mixin-models names) must fail on patches 1..k-1 plus patch k's tests/ hunks only, and pass with patch k whole.
+      A mixin test runs for every model: it must pass (or skip) on each with the patch and fail on at least one
+      without it (where the bug does not apply it passes both ways). A patch that touches no test fails this step;
   (d) with --upstream-tests: upstream's test files of every model the series touches, of cache_utils, masking_utils
       and generation, on the unpatched and the patched clone (`-n JOBS`), compared with compare_junit.py; a test that
       passes unpatched and fails (or vanishes) patched fails the step.
@@ -402,9 +403,11 @@ def check_patch_tests(tree: Tree, k: int, model_test_files: list[str]) -> bool:
         return report(name, False, f"{patch.name[:40]}... adds or changes no test under tests/", started)
     # The test ids run as they are, the mixin tests by name (-k) through the model test files: two pytest runs,
     # so that -k does not deselect the ids.
-    runs = []
+    runs = {}
+    if ids:
+        runs["ids"] = (None, [])
     if mixin_tests:
-        runs.append((model_test_files, ["-k", " or ".join(mixin_tests)]))
+        runs["mixin"] = (model_test_files, ["-k", " or ".join(mixin_tests)])
     outcomes = {}
     for side, commit in (("before", tree.commits[k - 1]), ("after", tree.commits[k])):
         checkout = tree.at("per-patch", commit)
@@ -413,27 +416,35 @@ def check_patch_tests(tree: Tree, k: int, model_test_files: list[str]) -> bool:
             if applied.returncode != 0:
                 return report(name, False, f"its tests/ hunks do not apply alone: {applied.stderr.strip()}", started)
             if ids:  # the tests/ hunks are in place: collect what each test function became
-                runs.insert(0, (expand_parameterized(checkout, ids), []))
-        outcomes[side] = {}
-        for i, (targets, extra) in enumerate(runs):
-            junit = tree.work / f"patch{k}-{side}-{i}.xml"
-            pytest(checkout, targets, junit, tree.work / f"patch{k}-{side}-{i}.log", extra)
-            outcomes[side].update(junit_outcomes(junit))
-    bad, counts = [], {"fail then pass": 0, "skipped on both": 0}
-    for test in sorted(set(outcomes["before"]) | set(outcomes["after"])):
-        before, after = outcomes["before"].get(test, "absent"), outcomes["after"].get(test, "absent")
-        if before == "failed" and after == "passed":
-            counts["fail then pass"] += 1
-        elif before == after == "skipped":
-            counts["skipped on both"] += 1
-        else:
-            bad.append(f"{test}: {before} without the fix, {after} with it")
+                runs["ids"] = (expand_parameterized(checkout, ids), [])
+        for kind, (targets, extra) in runs.items():
+            junit = tree.work / f"patch{k}-{side}-{kind}.xml"
+            pytest(checkout, targets, junit, tree.work / f"patch{k}-{side}-{kind}.log", extra)
+            outcomes[side, kind] = junit_outcomes(junit)
+    bad, counts = [], {"fail then pass": 0, "skipped on both": 0, "mixin, pass on both": 0}
+    fixed_mixin = set()
+    for kind in runs:
+        before_side, after_side = outcomes["before", kind], outcomes["after", kind]
+        for test in sorted(set(before_side) | set(after_side)):
+            before, after = before_side.get(test, "absent"), after_side.get(test, "absent")
+            if before == "failed" and after == "passed":
+                counts["fail then pass"] += 1
+                fixed_mixin.add(test.rsplit("::", 1)[-1])
+            elif before == after == "skipped":
+                counts["skipped on both"] += 1
+            elif kind == "mixin" and before == after == "passed":
+                # a mixin test runs for every model: where the bug does not apply, it passes both ways
+                counts["mixin, pass on both"] += 1
+            else:
+                bad.append(f"{test}: {before} without the fix, {after} with it")
+    # ...but each mixin test must fail without the fix on some model
+    bad += [f"{test} (mixin): fails on no model without the fix" for test in mixin_tests if test not in fixed_mixin]
     for line in bad[:30]:
         print(f"       {line}")
     for line in others[:10]:
         print(f"       (also touches {line})")
     detail = f"{len(ids)} test id(s), {len(mixin_tests)} mixin test(s); " + ", ".join(
-        f"{v} {k}" for k, v in counts.items()
+        f"{v} {k}" for k, v in counts.items() if v or k != "mixin, pass on both"
     )
     if not counts["fail then pass"]:
         bad.append("no test ran")
@@ -479,6 +490,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--jobs", type=int, default=2, help="pytest-xdist workers and converter processes")
     parser.add_argument("--keep", action="store_true", help="keep the work folder")
     parser.add_argument("--skip", default="", help="comma-separated steps to skip: source,style,patches")
+    parser.add_argument(
+        "--mixin-models",
+        default="",
+        help="comma-separated model types: run the mixin tests of (c) through these models' test files only (a quick "
+        "run; default: every model the series touches)",
+    )
     args = parser.parse_args(argv)
     if not (args.tree / ".git").exists() or not (args.tree / "utils" / "check_copies.py").exists():
         parser.error(f"--tree {args.tree} is not a reference tree (a git repository with utils/check_copies.py)")
@@ -505,7 +522,12 @@ def main(argv: list[str]) -> int:
         if "style" not in skip:
             results.append(check_style(tree, base, tip))
         if "patches" not in skip:
-            results += [check_patch_tests(tree, k, tests) for k in range(1, len(patches) + 1)]
+            mixin_files = tests
+            if args.mixin_models:
+                chosen = {f"tests/models/{model}/" for model in args.mixin_models.split(",")}
+                mixin_files = [path for path in tests if any(path.startswith(prefix) for prefix in chosen)]
+                print(f"mixin tests through {len(mixin_files)} of {len(tests)} model test files (--mixin-models)")
+            results += [check_patch_tests(tree, k, mixin_files) for k in range(1, len(patches) + 1)]
         if args.upstream_tests:
             results.append(check_upstream_tests(tree, base, tip, tests, args.jobs))
     finally:

@@ -9,12 +9,20 @@ The user's cache directory is a temporary one (`XDG_CACHE_HOME`): commands whose
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
 
 
 def pytest_configure(config):
+    # torchao's import-time lines (its CUDA kernel libraries, pytree's deprecation of its enums) go through torch's
+    # own log handler, which writes past pytest's capture, between the progress dots: drop them as the commands do.
+    from transformers_flexcache.log import quiet_dependencies
+
+    quiet = contextlib.ExitStack()
+    quiet.enter_context(quiet_dependencies())
+    config.add_cleanup(quiet.close)
     cache_home = tempfile.mkdtemp(prefix="flexcache-tests-cache-")
     os.environ["XDG_CACHE_HOME"] = cache_home
     config.add_cleanup(lambda: shutil.rmtree(cache_home, ignore_errors=True))

@@ -15,6 +15,24 @@ from utils.torch_drift import TORCH_NAMES, TorchName
 USES = torch_drift.find_private_uses()
 
 
+def test_the_installed_torch_is_one_the_table_was_checked_on_and_setup_cfg_admits_exactly_those():
+    import configparser
+
+    from tests.helpers import REPO_ROOT
+
+    minor = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    assert minor in torch_drift.CHECKED_TORCH, (
+        f"torch {torch.__version__} is not one of {torch_drift.CHECKED_TORCH}: run this file on it, fix what moved, "
+        "and add it to CHECKED_TORCH (utils/torch_drift.py) and setup.cfg's window"
+    )
+    config = configparser.ConfigParser()
+    config.read(REPO_ROOT / "setup.cfg")
+    (pin,) = [line for line in config["options"]["install_requires"].split() if line.startswith("torch>=")]
+    oldest, newest = torch_drift.CHECKED_TORCH[0], torch_drift.CHECKED_TORCH[-1]
+    major, last = newest.split(".")
+    assert pin == f"torch>={oldest},<{major}.{int(last) + 1}", pin
+
+
 @pytest.mark.parametrize("name", sorted(TORCH_NAMES))
 def test_torch_still_has_the_private_name_with_the_arguments_we_pass(name):
     found = torch_drift.problem(name, TORCH_NAMES[name])

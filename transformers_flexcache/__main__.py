@@ -4,7 +4,10 @@ Subcommands:
     bench        run a stream of generate calls under each cache strategy and compare time, memory and outputs
     bench-serve  an open-loop stream of requests against one-at-a-time, static batching, the in-flight engine and
                  CTranslate2: throughput and latency at several offered loads
-    bench-start  `serve --compile` started twice on one compile cache: seconds until each start answers
+    bench-profile  the compiled fp32 decode step of a t5-small-sized T5, kernel by kernel, beside CTranslate2's
+    bench-start  `serve --compile` started cold, on a warm compile cache, and from a compiled artifact: seconds until
+                 each start answers
+    compile      compile a checkpoint's served decode steps once into a folder that `serve --compiled` loads
     export  export a saved checkpoint to one ExecuTorch .pte that serves every batch and length up to its capacities
     serve   an OpenAI-compatible HTTP server on the in-flight engine (completions, transcriptions, metrics)
 """
@@ -13,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+
+from .log import quiet_dependencies
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,16 +58,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_serve.add_arguments(serve_bench_parser)
     serve_bench_parser.set_defaults(handler=bench_serve.run, subparser=serve_bench_parser)
+    from .bench import profile as bench_profile
+
+    profile_parser = subcommands.add_parser(
+        "bench-profile",
+        help="profile the compiled fp32 decode step of a t5-small-sized T5 per kernel, beside CTranslate2's",
+        description=(
+            "Compile the t5-small-sized T5 (random weights) bucketed at the given batches, time its decode step, "
+            "profile one call per batch with torch.profiler and group the kernels' time per step (linears by shape, "
+            "the output layer, attention, layer norms, the rest; Python and dispatch: the step less the kernels); "
+            "then CTranslate2's step on the same weights, sampled with perf where it can run. --isa avx2 runs it "
+            "capped at AVX2 (an emulation on this CPU)."
+        ),
+    )
+    bench_profile.add_arguments(profile_parser)
+    profile_parser.set_defaults(handler=bench_profile.run, subparser=profile_parser)
     from .bench import start as bench_start
 
     start_bench_parser = subcommands.add_parser(
         "bench-start",
-        help="start `serve --compile` twice on one compile cache and time each start until it answers",
+        help="start `serve --compile` cold, on a warm compile cache and from a compiled artifact; time each start",
         description=(
             "Save a real-sized random checkpoint of each model, start `serve --compile` on it in a new process, poll "
             "/health and time the port, the end of the warm-up and the first answer; then start it again on the same "
-            "compile cache (--compile-cache of serve) and time the same. Prints the graphs each warm-up traced, "
-            "loaded and compiled; exit status 1 if the second start's tokens differ from the first's."
+            "compile cache (--compile-cache of serve); then run `transformers-flexcache compile` (timed) and start "
+            "`serve --compiled` on its artifact. Prints the graphs each warm-up traced, loaded and compiled; exit "
+            "status 1 if a later start's tokens differ from the cold start's."
         ),
     )
     bench_start.add_arguments(start_bench_parser)
@@ -95,6 +116,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve_cli.add_arguments(serve_parser)
     serve_parser.set_defaults(handler=serve_cli.run, subparser=serve_parser)
+    compile_parser = subcommands.add_parser(
+        "compile",
+        help="compile the decode steps `serve --compile` would compile into a folder that `serve --compiled` loads",
+        description=(
+            "Compile a checkpoint's decode step at every bucket that `serve --compile` (with the same capacities and "
+            "--buckets) would compile, with AOTInductor, into a folder: one shared library per bucket with its frozen "
+            "weights, and a manifest keyed by the model, its weights, the shapes, the settings, the versions of torch "
+            "and transformers and the CPU. `serve --compiled DIR` loads it in a fraction of a second, tracing "
+            "nothing; a folder compiled for another key is refused with a warning that says which, and compiled again."
+        ),
+    )
+    serve_cli.add_compile_arguments(compile_parser)
+    compile_parser.set_defaults(handler=serve_cli.run_compile, subparser=compile_parser)
     return parser
 
 
@@ -103,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # for a rerun in a child (bench --isa)
-    return args.handler(args, args.subparser)
+    with quiet_dependencies():  # lines of torchao and torch that concern no user, printed before ours (log.py)
+        return args.handler(args, args.subparser)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,9 @@ from dataclasses import dataclass
 
 # The top-level packages whose sources are scanned for private torch names.
 PACKAGES = ("transformers_flexcache", "model_overrides")
+# The torch minors on which every entry below was checked (tests/test_torch_drift.py, run on each): the supported
+# window of setup.cfg. torch 2.15.0 renamed or removed none of them (all 47 present, with the arguments we pass).
+CHECKED_TORCH = ("2.13", "2.14", "2.15")
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,11 @@ TORCH_NAMES: dict[str, TorchName] = {
     "torch._inductor.config.post_grad_custom_post_pass": TorchName(
         "config", "OneRowLinears, Int8DotExpansion, OneQueryAttention after freezing"
     ),
+    "torch._inductor.codegen.cpp.CppScheduling": TorchName(
+        "object",
+        "bench-profile ends a C++ function after each fused group (its MAX_FUSED_KERNEL_ARGS_NUM at 0, "
+        "runtime.kernel_profile_compile), with cpp.enable_kernel_profile",
+    ),
     "torch._inductor.config.patch": TorchName("object", "trace-time inductor settings (padding.compile_settings)"),
     "torch._inductor.custom_graph_pass.CustomGraphPass": TorchName("object", f"the base class of {_PASSES}"),
     "torch._inductor.custom_graph_pass.get_hash_for_files": TorchName(
@@ -126,6 +134,14 @@ TORCH_NAMES: dict[str, TorchName] = {
     "torch._inductor.runtime.cache_dir_utils.temporary_cache_dir": TorchName(
         "object", "compile/caching.py points inductor's on-disk cache at the compile cache entry", ("directory",)
     ),
+    "torch._inductor.aoti_compile_and_package": TorchName(
+        "object",
+        "compile/artifact.py compiles each exported graph of a compiled artifact with AOTInductor",
+        ("exported_program", "package_path", "inductor_configs"),
+    ),
+    "torch._C._aoti.AOTIModelPackageLoader": TorchName(
+        "object", "compile/artifact.py loads a compiled artifact's graphs (a dlopen, no compiler probe)"
+    ),
     "torch.compiler._cache.CacheArtifactManager.with_fresh_cache": TorchName(
         "object", "compile/caching.py saves the artifacts of one entry's compiles alone"
     ),
@@ -140,6 +156,9 @@ TORCH_NAMES: dict[str, TorchName] = {
         "op",
         "frozen fp32 linears of one row that OneRowLinears replaces",
         ("X", "MKL_W", "ORI_W", "B", "batch_size"),
+    ),
+    "torch.ops.mkl._mkl_reorder_linear_weight.default": TorchName(
+        "op", "compile/kernel_choice.py measures MKL's packed linear (as inductor packs it)", ("X", "batch_size")
     ),
     "torch.ops.mkldnn._reorder_linear_weight.default": TorchName(
         "op", "SharedOneDNNWeights packs a frozen weight for oneDNN", ("self", "batch_size")

@@ -13,7 +13,7 @@ from transformers_flexcache.bench import isa
 from transformers_flexcache.bench.command import rerun_for_isa
 from transformers_flexcache.compile import cpu_facts, isa_limit
 
-HAS_AVX512 = "avx512f" in cpu_facts().flags
+HAS_AVX512 = "avx512f" in (cpu_facts().hardware_flags or cpu_facts().flags)
 
 # What a child under the caps reads: the report's ISA facts, and the ISA oneDNN's verbose mode names as it runs a linear.
 CHILD = """

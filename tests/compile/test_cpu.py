@@ -121,3 +121,55 @@ def test_forcing_an_unknown_fact_is_refused_and_changes_nothing():
         with forced(avx512=True):
             pass
     assert cpu_facts() == before
+
+
+@pytest.mark.parametrize(("capability", "bits"), [("AVX2", 256), ("AVX512", 512), ("DEFAULT", None)])
+def test_a_process_capped_by_aten_cpu_capability_pins_inductor_s_vector_width(monkeypatch, capability, bits):
+    from transformers_flexcache import compile_config_for_cpu
+
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    with forced(capability=capability):
+        assert cpu.inductor_vector_bits() is None  # not capped: inductor picks, as it always did
+        assert "cpp.simdlen" not in compile_config_for_cpu().options
+        monkeypatch.setenv("ATEN_CPU_CAPABILITY", capability.lower())
+        assert cpu.inductor_vector_bits() == bits
+        assert compile_config_for_cpu().options.get("cpp.simdlen") == bits
+
+
+# Compiled with compile_config_for_cpu()'s options, into the cache folder of argv[1]; prints the largest difference
+# from the eager function.
+_VECTOR_PROGRAM = """
+import sys, torch
+from transformers_flexcache import compile_config_for_cpu
+
+def f(x, index):
+    return (x.exp() * 2 + 1)[index].sum(-1)
+
+options = compile_config_for_cpu().options
+compiled = torch.compile(f, dynamic=False, options=options)
+x, index = torch.randn(37, 53, generator=torch.Generator().manual_seed(0)), torch.tensor([3, 0, 36, 5])
+print((compiled(x, index) - f(x, index)).abs().max().item())
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="needs ATen's AVX-512 kernels")
+def test_a_process_capped_at_avx2_does_not_load_the_avx512_graphs_of_an_uncapped_one(tmp_path):
+    # Inductor's FX graph cache keys no CPU graph by its vector width: without the pinned width the capped process
+    # loaded the uncapped one's 16-lane graph, built it against 8-lane vectors, and was off by about 100.
+    import subprocess
+    import sys
+
+    environ = {key: value for key, value in os.environ.items() if key not in cpu.ISA_LIMIT_VARIABLES}
+    environ.update(TORCHINDUCTOR_CACHE_DIR=str(tmp_path), OMP_NUM_THREADS="1")
+    for extra in ({}, {"ATEN_CPU_CAPABILITY": "avx2"}):
+        result = subprocess.run(
+            [sys.executable, "-c", _VECTOR_PROGRAM],
+            env={**environ, **extra},
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert float(result.stdout.strip().splitlines()[-1]) < 1e-3, (extra, result.stdout)

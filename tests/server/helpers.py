@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tests.helpers import assert_within_float_noise
 from tests.model_cases import MODEL_CASES
 from tests.serving.test_engine import char_tokenizer
 
@@ -153,6 +154,39 @@ def new_tokens(upstream, sequences: torch.Tensor, prompt_len: int) -> list[list[
         ends = [index for index, token in enumerate(row) if token in eos]
         rows.append(row[: ends[0] + 1] if ends else row)
     return rows
+
+
+def assert_answers_within_float_noise(answered: list[float], expected: torch.Tensor, exact: torch.Tensor) -> None:
+    """The server's answered numbers (log probabilities or scores: JSON floats, float32 values) equal `expected`,
+    upstream's float32 values of the same quantities, bit for bit or within `NOISE_MARGIN` times their float noise:
+    their distance from `exact`, the same quantities computed in float64 (`in_double(upstream)`), on this machine
+    (`tests/helpers.assert_within_float_noise`, with its floor of 16 float32 ulps)."""
+    actual = torch.tensor(answered, dtype=torch.float64)
+    assert_within_float_noise(actual, expected.double(), exact.double())
+
+
+def assert_sequence_scores_within_float_noise(upstream, answered: list[float], expected, exact, *, prompt_len: int):
+    """The server's `sequence_score`s equal upstream's beam search `expected.sequences_scores` (float32), within their
+    float noise: their distance from `exact.sequences_scores`, the same `generate` (arguments and seed) run by
+    `in_double(upstream)`.
+
+    A hypothesis's score is defined by its own tokens alone (the sum of its tokens' log probabilities, each given the
+    tokens before it, over its length to the power of the length penalty), so the float64 run's score of the same
+    tokens is the exact value of the float32 one. In float64 the beam search can choose other hypotheses (a near tie
+    decided the other way): the noise is then measured on the hypotheses both runs returned, by their tokens, and
+    bounds every answered score, all of which are compared. Where the runs share no hypothesis there is no such
+    measure, and the test says so rather than guess one. (Upstream's generate casts each step's logits to float32,
+    so the float64 run's scores carry float32 rounding of their log-softmax and sums: a few ulps, which only add to
+    the measured noise; `ulp_floor` bounds it from below where the two runs agree bit for bit.)"""
+    rows, exact_rows = (new_tokens(upstream, output.sequences, prompt_len) for output in (expected, exact))
+    want = expected.sequences_scores.double()
+    # a hypothesis the float64 run did not return adds no noise: its own expected value stands in for its exact one
+    reference = want.clone()
+    shared = [index for index, row in enumerate(rows) if row in exact_rows]
+    assert shared, f"the float64 beam search returned none of the float32 hypotheses {rows}: {exact_rows}"
+    for index in shared:
+        reference[index] = exact.sequences_scores[exact_rows.index(rows[index])].item()
+    assert_answers_within_float_noise(answered, want, reference)
 
 
 def wav_bytes(samples: np.ndarray, *, rate: int, width: int = 2, channels: int = 1) -> bytes:

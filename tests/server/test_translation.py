@@ -1,7 +1,9 @@
 """`/v1/completions` for translation (encoder-decoder) models through OpenAI's client on 127.0.0.1: beam search, the
 n best hypotheses with their scores, log probabilities, a target prefix, echo and the score of a given translation,
 each against upstream's `generate` (DynamicCache) or forward on the request alone, for tiny seeded T5, BART and
-Marian models."""
+Marian models. Log probabilities and scores are equal to upstream's float32 ones within their float noise, derived on
+the running machine from the same quantities computed by `in_double(upstream)` (`assert_answers_within_float_noise`,
+`assert_sequence_scores_within_float_noise`)."""
 
 from __future__ import annotations
 
@@ -12,13 +14,23 @@ import openai
 import pytest
 import torch
 
+from tests.helpers import in_double
 from tests.serving.test_engine import char_tokenizer
 
-from .helpers import TIMEOUT, build_app, new_tokens, openai_client, reference, save_checkpoint, serving
+from .helpers import (
+    TIMEOUT,
+    assert_answers_within_float_noise,
+    assert_sequence_scores_within_float_noise,
+    build_app,
+    new_tokens,
+    openai_client,
+    reference,
+    save_checkpoint,
+    serving,
+)
 
 CAPACITIES = {"max_batch_size": 8, "max_cache_len": 40, "max_encoder_len": 32}
 SOURCES = ["helloWorld42", "abcXYZ", "theQuickFox9"]
-TOLERANCE = 1e-4  # log probabilities and scores: the engine's batched steps against upstream's, in float32
 
 
 @pytest.fixture(scope="module", params=["t5", "bart", "marian"])
@@ -48,6 +60,14 @@ def upstream_generate(upstream, tokenizer, source, **kwargs):
     )
 
 
+def assert_scores_are_generates(upstream, tokenizer, source, response, expected, **kwargs):
+    """The choices' `sequence_score`s are upstream's beam search scores (`expected`, its `upstream_generate` of
+    `source` with `kwargs`) within their float noise: the same generate run in float64."""
+    exact = upstream_generate(in_double(upstream), tokenizer, source, **kwargs)
+    scores = [choice.model_extra["sequence_score"] for choice in response.choices]
+    assert_sequence_scores_within_float_noise(upstream, scores, expected, exact, prompt_len=1)
+
+
 def own_rows(upstream, sequences, *, skip: int) -> list[list[int]]:
     """Each sequence's own new tokens after `skip` decoder columns, up to its EOS."""
     return new_tokens(upstream, sequences[:, skip - 1 :], 0)
@@ -65,8 +85,9 @@ def test_beam_search_returns_the_n_best_hypotheses_of_generate_with_their_scores
         assert [choice.text for choice in response.choices] == [
             tokenizer.decode(row, skip_special_tokens=True) for row in rows
         ]
+        kwargs = {"max_new_tokens": 12, "num_beams": 4, "num_return_sequences": 3}
+        assert_scores_are_generates(upstream, tokenizer, source, response, expected, **kwargs)
         scores = [choice.model_extra["sequence_score"] for choice in response.choices]
-        assert scores == pytest.approx(expected.sequences_scores.tolist(), abs=TOLERANCE)
         assert scores == sorted(scores, reverse=True)  # best first
         assert len({tuple(row) for row in rows}) == 3  # three hypotheses, not one
     # the sources give hypotheses of their own (the tiny model's output varies with its input)
@@ -88,15 +109,13 @@ def test_beam_search_returns_the_n_best_hypotheses_of_generate_with_their_scores
 def test_beam_search_fields_are_generates_arguments(server, fields, generate_kwargs):
     base_url, upstream, tokenizer = server
     n = fields["n"]
-    expected = upstream_generate(
-        upstream, tokenizer, SOURCES[0], max_new_tokens=10, num_return_sequences=n, **generate_kwargs
-    )
+    kwargs = {"max_new_tokens": 10, "num_return_sequences": n, **generate_kwargs}
+    expected = upstream_generate(upstream, tokenizer, SOURCES[0], **kwargs)
     response = create(base_url, prompt=SOURCES[0], max_tokens=10, return_token_ids=True, **fields)
     assert [choice.model_extra["token_ids"] for choice in response.choices] == own_rows(
         upstream, expected.sequences, skip=1
     )
-    scores = [choice.model_extra["sequence_score"] for choice in response.choices]
-    assert scores == pytest.approx(expected.sequences_scores.tolist(), abs=TOLERANCE)
+    assert_scores_are_generates(upstream, tokenizer, SOURCES[0], response, expected, **kwargs)
 
 
 def test_seeded_beam_sampling_is_generates_with_that_seed(server):
@@ -109,11 +128,10 @@ def test_seeded_beam_sampling_is_generates_with_that_seed(server):
     assert [choice.model_extra["token_ids"] for choice in response.choices] == own_rows(
         upstream, expected.sequences, skip=1
     )
-    scores = [choice.model_extra["sequence_score"] for choice in response.choices]
-    assert scores == pytest.approx(expected.sequences_scores.tolist(), abs=TOLERANCE)
+    assert_scores_are_generates(upstream, tokenizer, SOURCES[1], response, expected, seed=21, **kwargs)
 
 
-def expected_logprobs(upstream, output, rows: list[list[int]], *, top: int) -> list[tuple[list, list]]:
+def expected_logprobs(upstream, output, rows: list[list[int]], *, top: int) -> list[tuple[torch.Tensor, list]]:
     """Per row: upstream's log probability of each own token (`compute_transition_scores` on the raw logits, which
     it normalizes) and the `top` most likely token ids with theirs."""
     beam_indices = output.get("beam_indices")
@@ -130,8 +148,44 @@ def expected_logprobs(upstream, output, rows: list[list[int]], *, top: int) -> l
             source = row if beam_indices is None else int(beam_indices[row, step])
             values, ids = torch.log_softmax(output.logits[step][source], dim=-1).topk(top)
             tops.append(dict(zip(ids.tolist(), values.tolist(), strict=True)))
-        expected.append((transition[row, : len(tokens)].tolist(), tops))
+        expected.append((transition[row, : len(tokens)], tops))
     return expected
+
+
+def exact_logprobs(upstream, tokenizer, source: str, target: list[int]) -> torch.Tensor:
+    """The float64 reference of upstream's log probabilities of `target`'s positions, `[len(target), V]`: the
+    teacher-forced forward of `in_double(upstream)` on those tokens.
+
+    Each generated token's log probability (`compute_transition_scores` of generate's logits; for a beam hypothesis,
+    the logits of the beam it extended) is the model's log probability given the tokens before it, which one forward
+    of the float32 run's own tokens computes exactly. A float64 `generate` could choose other tokens (a near tie
+    decided the other way), after which its log probabilities are of other prefixes; the forward is defined on the
+    float32 run's tokens always."""
+    return teacher_forced(in_double(upstream), tokenizer, source, target)
+
+
+def assert_logprobs_within_float_noise(answered: tuple[list, list], expected: tuple, exact: torch.Tensor, tokens):
+    """A choice's `(token_logprobs, tops)` (`answered_logprobs`) are upstream's float32 `expected` ones within their
+    float noise against `exact` (`exact_logprobs` of `tokens`): each token's, and those of the tokens in each
+    position's expected top (the answered top holds the same tokens, and the chosen one)."""
+    token_logprobs, tops = answered
+    want_logprobs, want_tops = expected
+    assert_answers_within_float_noise(token_logprobs, want_logprobs, exact[range(len(tokens)), tokens])
+    assert len(tops) == len(want_tops) == len(tokens)
+    positions, ids = zip(*((position, k) for position, top in enumerate(want_tops) for k in top), strict=True)
+    for top, want_top, token in zip(tops, want_tops, tokens, strict=True):
+        assert set(top) == set(want_top) | {token}
+    assert_answers_within_float_noise(
+        [tops[position][k] for position, k in zip(positions, ids, strict=True)],
+        torch.tensor([want_tops[position][k] for position, k in zip(positions, ids, strict=True)]),
+        exact[list(positions), list(ids)],
+    )
+
+
+def top_logprobs(logprobs: torch.Tensor, count: int) -> list[dict]:
+    """Per position of `logprobs` (`[L, V]`): its `count` most likely token ids with their log probabilities."""
+    values, ids = logprobs.topk(count)
+    return [dict(zip(*pair, strict=True)) for pair in zip(ids.tolist(), values.tolist(), strict=True)]
 
 
 def answered_logprobs(choice) -> tuple[list, list]:
@@ -172,11 +226,10 @@ def test_logprobs_are_the_models_log_probabilities_of_generates_tokens(server, f
         logprobs = choice.logprobs
         assert logprobs.tokens == [f"token_id:{token}" for token in tokens]
         token_logprobs, tops = answered_logprobs(choice)
-        assert token_logprobs == pytest.approx(want[0], abs=TOLERANCE)
-        for top, top_expected, token, value in zip(tops, want[1], tokens, token_logprobs, strict=True):
+        exact = exact_logprobs(upstream, tokenizer, SOURCES[2], tokens)
+        assert_logprobs_within_float_noise((token_logprobs, tops), want, exact, tokens)
+        for top, token, value in zip(tops, tokens, token_logprobs, strict=True):
             assert top[token] == pytest.approx(value)  # the chosen token is there, in the top or beside it
-            assert set(top) == set(top_expected) | {token}
-            assert {k: top[k] for k in top_expected} == pytest.approx(top_expected, abs=TOLERANCE)
         # offsets: where each token's text starts in the choice's text
         assert logprobs.text_offset == [
             len(tokenizer.decode(tokens[:index], skip_special_tokens=True)) for index in range(len(tokens))
@@ -216,8 +269,16 @@ def test_a_target_prefix_starts_the_decoder_as_generate_with_decoder_input_ids(s
         assert [choice.model_extra["token_ids"] for choice in response.choices] == rows
         assert response.usage.prompt_tokens == len(tokenizer(source)["input_ids"]) + len(prefix)
         if "num_beams" in fields:
-            scores = [choice.model_extra["sequence_score"] for choice in response.choices]
-            assert scores == pytest.approx(expected.sequences_scores.tolist(), abs=TOLERANCE)
+            assert_scores_are_generates(
+                upstream,
+                tokenizer,
+                source,
+                response,
+                expected,
+                decoder_input_ids=decoder_input_ids,
+                max_new_tokens=8,
+                **kwargs,
+            )
     free = create(base_url, prompt=source, max_tokens=8, return_token_ids=True, **fields)
     assert [choice.model_extra["token_ids"] for choice in free.choices] != rows  # the prefix changed the output
 
@@ -238,6 +299,7 @@ def test_echo_with_max_tokens_zero_scores_a_given_translation_as_one_forward(ser
     eos = upstream.generation_config.eos_token_id
     target = [*prefix_of(upstream, tokenizer, source), 7, 30, eos]  # a whole translation: its end is scored too
     expected = teacher_forced(upstream, tokenizer, source, target)
+    exact = exact_logprobs(upstream, tokenizer, source, target)
     response = create(
         base_url,
         prompt=source,
@@ -250,23 +312,23 @@ def test_echo_with_max_tokens_zero_scores_a_given_translation_as_one_forward(ser
     (choice,) = response.choices
     assert choice.text == tokenizer.decode(target, skip_special_tokens=True)
     assert choice.finish_reason == "length" and response.usage.completion_tokens == 0
-    token_logprobs, tops = answered_logprobs(choice)
-    assert token_logprobs == pytest.approx(expected[range(len(target)), target].tolist(), abs=TOLERANCE)
-    for position, top in enumerate(tops):
-        values, ids = expected[position].topk(2)
-        assert {k: top[k] for k in ids.tolist()} == pytest.approx(
-            dict(zip(ids.tolist(), values.tolist(), strict=True)), abs=TOLERANCE
-        )
+    want = (expected[range(len(target)), target], top_logprobs(expected, 2))
+    assert_logprobs_within_float_noise(answered_logprobs(choice), want, exact, target)
     # a list of sources, one translation each
     other = [*prefix_of(upstream, tokenizer, SOURCES[2]), eos]
     both = create(
         base_url, prompt=[source, SOURCES[2]], max_tokens=0, echo=True, logprobs=0, target_prefix=[target, other]
     )
     assert [choice.index for choice in both.choices] == [0, 1]
-    assert both.choices[0].logprobs.token_logprobs == pytest.approx(token_logprobs, abs=TOLERANCE)
+    assert_answers_within_float_noise(
+        both.choices[0].logprobs.token_logprobs, want[0], exact[range(len(target)), target]
+    )
     second = teacher_forced(upstream, tokenizer, SOURCES[2], other)
-    assert both.choices[1].logprobs.token_logprobs == pytest.approx(
-        second[range(len(other)), other].tolist(), abs=TOLERANCE
+    second_exact = exact_logprobs(upstream, tokenizer, SOURCES[2], other)
+    assert_answers_within_float_noise(
+        both.choices[1].logprobs.token_logprobs,
+        second[range(len(other)), other],
+        second_exact[range(len(other)), other],
     )
 
 
@@ -290,8 +352,10 @@ def test_echo_with_logprobs_gives_the_prefix_scores_then_the_completions(server)
     (choice,) = response.choices
     completion = tokenizer.decode(row, skip_special_tokens=True)
     assert choice.text == prefix_text + completion
-    expected = forced[range(len(prefix)), prefix].tolist() + generated.tolist()
-    assert choice.logprobs.token_logprobs == pytest.approx(expected, abs=TOLERANCE)
+    expected = torch.cat([forced[range(len(prefix)), prefix], generated])
+    target = [*prefix, *row]
+    exact = exact_logprobs(upstream, tokenizer, source, target)[range(len(target)), target]
+    assert_answers_within_float_noise(choice.logprobs.token_logprobs, expected, exact)
     assert choice.logprobs.text_offset[len(prefix)] == len(prefix_text)
 
 

@@ -31,7 +31,7 @@ def app_with_warmup(tmp_path):
     )
     release, fail = threading.Event(), threading.Event()
 
-    def warmup(*, cache_dir=None, progress=None):
+    def warmup(*, cache_dir=None, artifact=None, progress=None):
         progress(0, 3)
         progress(1, 3)
         assert release.wait(TIMEOUT)
@@ -97,7 +97,7 @@ def test_the_warm_up_thread_compiles_under_the_torch_settings_of_the_thread_that
     class StandIn:
         warm_start = None
 
-        def warmup(self, *, cache_dir=None, progress=None):
+        def warmup(self, *, cache_dir=None, artifact=None, progress=None):
             seen.append(torch._dynamo.config.recompile_limit)
 
     default = torch._dynamo.config.recompile_limit

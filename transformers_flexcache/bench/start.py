@@ -1,5 +1,6 @@
-"""The start benchmark: `serve --compile` started twice on one compile cache, a first start and a second one, each
-timed until it answers (`transformers-flexcache bench-start`).
+"""The start benchmark: `serve --compile` started twice on one compile cache (a cold start and a warm-cache one),
+then `transformers-flexcache compile` and a start from its artifact (`serve --compiled DIR`), each timed until it
+answers (`transformers-flexcache bench-start`).
 
 Design decisions:
 - What a user waits for, measured from outside: each start is the `serve` command in a process of its own (as a
@@ -10,8 +11,10 @@ Design decisions:
 - The first start's compile cache is a new, empty folder unless `--compile-cache` names one; the second start uses
   the same folder. Inductor's own caches elsewhere are not read (the entry's folder is inductor's cache during the
   warm-up), so a first start is a first start.
-- The tokens of each request of the second start must equal the first's (exit status 1 if not): a loaded graph
-  computes what a compiled one does.
+- The tokens of each request of the warm-cache and artifact starts must equal the cold start's (exit status 1 if
+  not): a loaded graph computes what a compiled one does.
+- The artifact is compiled by the `compile` command in a process of its own (timed: its seconds are a cold compile
+  of the same graphs), then the artifact start runs; `--no-artifact` leaves both out.
 - Not the other benches' comparison of strategies: one strategy (the server's defaults, or `--buckets`), two starts.
 """
 
@@ -52,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the compile cache both starts use (default: a new empty folder, removed after the run)",
     )
     parser.add_argument("--buckets", help="the server's --buckets (JSON; default: the server's own)")
+    parser.add_argument(
+        "--no-artifact", action="store_true", help="leave out the compile command and the start from its artifact"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the prompts")
     parser.add_argument("--quick", action="store_true", help="tiny configs: a smoke test, its timings mean nothing")
     parser.add_argument("--json", metavar="PATH", help="write the figures as JSON")
@@ -89,7 +95,19 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_once(folder: str, cache_dir: str, args, prompts: list[list[int]]) -> dict:
+def compile_artifact(folder: str, out: str, args) -> float:
+    """`transformers-flexcache compile` of `folder` into `out` with the server's flags, in a process of its own;
+    returns its seconds."""
+    command = [sys.executable, "-m", "transformers_flexcache", "compile", folder, "--out", out]
+    command += ["--threads", str(args.threads)] + (["--buckets", args.buckets] if args.buckets else [])
+    started = time.monotonic()
+    done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode:
+        raise RuntimeError(f"the compile command exited with {done.returncode}: {done.stderr[-2000:]}")
+    return time.monotonic() - started
+
+
+def start_once(folder: str, cache_dir: str, args, prompts: list[list[int]], *, artifact: str | None = None) -> dict:
     """One start of `serve --compile` on `folder`: the seconds until its port answers, until it is ready, until the
     first request is answered; its warm-up as `/health` reports it; each request's tokens."""
     import httpx
@@ -97,11 +115,12 @@ def start_once(folder: str, cache_dir: str, args, prompts: list[list[int]]) -> d
     port = _free_port()
     command = [sys.executable, "-m", "transformers_flexcache", "serve", folder, "--port", str(port), "--compile"]
     command += ["--compile-cache", cache_dir, "--threads", str(args.threads), "--log-level", "warning"]
+    command += ["--compiled", artifact] if artifact is not None else []
     if args.buckets:
         command += ["--buckets", args.buckets]
     started = time.monotonic()
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    figures = {"port_open_s": None, "ready_s": None, "first_answer_s": None, "tokens": []}
+    figures = {"port_open_s": None, "ready_s": None, "first_answer_s": None, "tokens": [], "traced_after": None}
     try:
         while True:
             if process.poll() is not None:
@@ -125,6 +144,7 @@ def start_once(folder: str, cache_dir: str, args, prompts: list[list[int]]) -> d
             answer.raise_for_status()
             figures["first_answer_s"] = figures["first_answer_s"] or time.monotonic() - started
             figures["tokens"].append(answer.json()["choices"][0]["token_ids"])
+        figures["traced_after"] = httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).json()["warmup"]["traced"]
     finally:
         process.send_signal(signal.SIGTERM)
         try:
@@ -146,11 +166,18 @@ def format_table(rows: list[dict]) -> str:
     )
     lines = [header]
     for row in rows:
+        if row["start"] == "compile":
+            lines.append(f"  {row['model']:<8} {'compile':<7} (the compile command: {row['seconds']:.1f} s)")
+            continue
         cache = row["warmup"].get("compile_cache") or {}
+        artifact = row["warmup"].get("artifact")
+        traced, loaded, compiled = cache.get("traced", "-"), cache.get("loaded", "-"), cache.get("compiled", "-")
+        if artifact is not None:
+            traced, loaded, compiled = row["traced_after"], artifact["loaded"], 0 if artifact["loaded"] else "-"
         lines.append(
             f"  {row['model']:<8} {row['start']:<7} {row['port_open_s']:>7.1f} {row['ready_s']:>8.1f} "
-            f"{row['first_answer_s']:>13.1f} {row['warmup']['seconds']:>10.1f} {cache.get('traced', '-'):>7} "
-            f"{cache.get('loaded', '-'):>7} {cache.get('compiled', '-'):>9}  {row['same_tokens']}"
+            f"{row['first_answer_s']:>13.1f} {row['warmup']['seconds']:>10.1f} {traced:>7} "
+            f"{loaded:>7} {compiled:>9}  {row['same_tokens']}"
         )
     return "\n".join(lines)
 
@@ -167,7 +194,8 @@ def run(args, parser: argparse.ArgumentParser | None = None) -> int:
         raise ValueError(message)
     machine = machine_info(args.threads)
     print(
-        f"transformers-flexcache bench-start: serve --compile, two starts on one compile cache\n{machine['cpu_line']}"
+        "transformers-flexcache bench-start: serve --compile, a cold and a warm-cache start on one compile cache, then "
+        f"the compile command and a start from its artifact\n{machine['cpu_line']}"
     )
     print(f"torch {machine['torch']}, transformers {machine['transformers']}; server threads {args.threads}")
     work = tempfile.mkdtemp(prefix="flexcache-bench-start-")
@@ -181,16 +209,24 @@ def run(args, parser: argparse.ArgumentParser | None = None) -> int:
             config = AutoConfig.from_pretrained(folder).get_text_config(decoder=True)
             prompts = _prompts(config.vocab_size, args.seed)
             cache_dir = args.compile_cache or os.path.join(work, f"{name}-compile-cache")
+            artifact = os.path.join(work, f"{name}-artifact")
             first = None
-            for start in ("first", "second"):
-                print(f"[{name}] {start} start ...", flush=True)
-                figures = start_once(folder, cache_dir, args, prompts)
+            for start in ("cold", "warm", "compile", "artifact"):
+                if start in ("compile", "artifact") and args.no_artifact:
+                    continue
+                print(f"[{name}] {start} ...", flush=True)
+                if start == "compile":
+                    rows.append({"model": name, "start": start, "seconds": compile_artifact(folder, artifact, args)})
+                    continue
+                figures = start_once(
+                    folder, cache_dir, args, prompts, artifact=artifact if start == "artifact" else None
+                )
                 first = first or figures
                 same = figures["tokens"] == first["tokens"]
                 if not same:
-                    failures.append(f"{name}: the second start's tokens differ from the first's")
+                    failures.append(f"{name}: the {start} start's tokens differ from the cold start's")
                 rows.append(
-                    {"model": name, "start": start, **figures, "same_tokens": "ref" if start == "first" else same}
+                    {"model": name, "start": start, **figures, "same_tokens": "ref" if first is figures else same}
                 )
     finally:
         shutil.rmtree(work, ignore_errors=True)

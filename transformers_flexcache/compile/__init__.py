@@ -14,6 +14,8 @@ Behind the face:
 - `encoder.py`: the compiled encoder and cross-attention projections;
 - `passes/`: inductor graph passes (fp32 linears, int8 linears, a decode step's attention);
 - `quantization.py`: `quantize(model, "int8")`; `cpu.py`: what the CPU can do;
+- `artifact.py`: compiled artifacts (`transformers-flexcache compile`, `serve --compiled DIR`): graphs compiled
+  once with AOTInductor, loaded by later processes without tracing;
 - `caching.py`: the compile cache (`--compile-cache DIR`, `warmup(..., cache_dir=DIR)`), with `fx_cache.py`,
   which lets inductor's FX graph cache take frozen graphs; `runtime.py`: what the rest reads or sets of torch's
   compile machinery (recompile limits, counters, inductor's cache folder); `gc_heap.py`: the collector around
@@ -52,6 +54,12 @@ _NAMES = {
     "resolve_int8_linears": "passes",
     "resolve_linear_kernels": "passes",
     "resolve_one_row_linears": "passes",
+    # compiled artifacts
+    "ArtifactRefused": "artifact",
+    "LoadedArtifact": "artifact",
+    "artifact_facts": "artifact",
+    "load_artifact": "artifact",
+    "write_artifact": "artifact",
     # the compile cache
     "WarmStart": "caching",
     "compile_cache": "caching",
@@ -62,6 +70,7 @@ _NAMES = {
     "compile_seconds": "runtime",
     "compiled_graph_count": "runtime",
     "inductor_cache_dir": "runtime",
+    "kernel_profile_compile": "runtime",
     "raise_recompile_limits": "runtime",
     "recompile_limit": "runtime",
     "recompile_limits": "runtime",

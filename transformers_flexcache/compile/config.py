@@ -34,6 +34,7 @@ import contextlib
 import torch
 from transformers import CompileConfig
 
+from .cpu import inductor_vector_bits
 from .fx_cache import packed_weights_cacheable
 from .passes import (
     Int8DotExpansion,
@@ -185,6 +186,10 @@ def compile_config_for_cpu(
         joint_passes.append(OneDNNLinears(one_row=not one_row))
     if resolve_decode_attention(decode_attention) == "inductor":
         passes.append(OneQueryAttention())
+    # a process whose ATEN_CPU_CAPABILITY caps inductor's vectors: the width pinned, so that inductor's FX graph cache
+    # keys its graphs apart (`cpu.inductor_vector_bits`)
+    vector_bits = inductor_vector_bits()
+    vector_options = {} if vector_bits is None else {"cpp.simdlen": vector_bits}
     if joint_passes:
         kernel_options["joint_custom_post_pass"] = tuple(joint_passes)
     if passes:
@@ -196,7 +201,7 @@ def compile_config_for_cpu(
         dynamic=False,
         backend="inductor",
         mode=None,  # torch.compile takes a mode or options, not both
-        options={**CPU_INDUCTOR_OPTIONS, **kernel_options, **options},
+        options={**CPU_INDUCTOR_OPTIONS, **vector_options, **kernel_options, **options},
     )
     config._compile_all_devices = True  # upstream's generate compiles on CPU only when told to
     return config

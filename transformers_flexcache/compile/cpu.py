@@ -27,6 +27,12 @@ Design decisions:
   with all of them at AVX2 on an AVX-512 CPU (`bench --isa avx2`) answers as an AVX2 CPU would: no VNNI (7-bit
   int8), no native bf16, and a compile cache entry of its own. It emulates an AVX2 CPU's instructions only: the
   caches, memory bandwidth and clock stay this CPU's.
+- Inductor's FX graph cache does not key a CPU graph by the vector width its C++ code was generated for
+  (torch==2.13.0: `FxGraphHashDetails` holds device facts of CUDA only), while `ATEN_CPU_CAPABILITY` changes that
+  width: a process capped at AVX2 loaded the AVX-512 graphs that an uncapped one had cached, built their 16-lane
+  code against 8-lane vectors, and computed garbage (an index out of bounds in a compiled T5 encoder, scores off by
+  15-22). `inductor_vector_bits()` gives the width a capped process's compiles pin (`cpp.simdlen`, which is in the
+  key), so that the two keep apart.
 """
 
 from __future__ import annotations
@@ -179,6 +185,19 @@ class CpuFacts:
             f"{self.model_name or 'unknown CPU'} ({where or 'vendor unknown'}): {flags}; torch {self.capability}"
             f"{cores}{limit}"
         )
+
+
+# torch's vector width name (`torch.backends.cpu.get_cpu_capability()`) -> inductor's `cpp.simdlen` for it
+_VECTOR_BITS = {"AVX2": 256, "AVX512": 512}
+
+
+def inductor_vector_bits() -> int | None:
+    """The vector width (`cpp.simdlen`) that compiles pin where `ATEN_CPU_CAPABILITY` caps ATen's and inductor's
+    vectors (the width inductor picks there anyway), so that inductor's FX graph cache keys their graphs apart from
+    those of an uncapped process (module docstring); None where the variable is not set or names no such width."""
+    if not os.environ.get("ATEN_CPU_CAPABILITY"):
+        return None
+    return _VECTOR_BITS.get(cpu_facts().capability.upper())
 
 
 def read_proc_cpuinfo(path: str = "/proc/cpuinfo") -> dict[str, str]:

@@ -55,3 +55,27 @@ def inductor_cache_dir() -> str:
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     return cache_dir()
+
+
+@contextlib.contextmanager
+def kernel_profile_compile() -> Iterator[None]:
+    """Graphs compiled within are profiled kernel by kernel (`bench-profile`): inductor records each C++ kernel in
+    torch's profiler (`cpp.enable_kernel_profile`), and writes each fused group as a C++ function of its own
+    (`CppScheduling.MAX_FUSED_KERNEL_ARGS_NUM` at 0 ends a function after every group; otherwise consecutive groups
+    share one function, at one row the whole step). Inductor's on-disk cache goes to a folder of its own for the
+    process (`<cache>-bench-profile`): its FX graph cache does not key on the function split and would hand back
+    graphs compiled without it."""
+    import os
+    from unittest import mock
+
+    import torch._inductor.config as inductor_config
+    from torch._inductor.codegen.cpp import CppScheduling
+
+    folder = inductor_cache_dir().rstrip("/")
+    if not folder.endswith("-bench-profile"):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder + "-bench-profile"
+    with (
+        inductor_config.patch({"cpp.enable_kernel_profile": True}),
+        mock.patch.object(CppScheduling, "MAX_FUSED_KERNEL_ARGS_NUM", 0),
+    ):
+        yield

@@ -12,6 +12,10 @@ Design decisions:
   counts the graphs on the terminal), so that no request pays a compile; each combination of buckets is one graph.
   Without `--buckets`, the engine's default buckets (`serving/buckets.py`: one seat and half the seats, half of each
   length; 12 graphs at most).
+- `--compiled DIR` (implies `--compile`): the decode steps come from a compiled artifact folder that
+  `transformers-flexcache compile` wrote (`compile/artifact.py`): loaded in a fraction of a second, nothing traced;
+  the token encoder then runs eagerly. A folder compiled for other capacities, buckets, weights, torch or CPU, or a
+  damaged one, is not used: a warning says why, and the server compiles as `--compile` does.
 - `--compile-cache DIR` (default: the user's cache directory, `compile.caching.default_cache_dir()`; `none` for
   none): the graphs compiled by an earlier start with the same model, shapes, settings, versions and CPU are loaded
   instead of compiled, and a first start's are written there (`compile/caching.py`).
@@ -89,12 +93,73 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "versions and CPU; 'none' for no such folder (default: ~/.cache/transformers-flexcache/compile, or under "
         "$XDG_CACHE_HOME)",
     )
+    parser.add_argument(
+        "--compiled",
+        metavar="DIR",
+        help="load the decode steps from a folder that `transformers-flexcache compile` wrote (implies --compile; "
+        "the same capacities and --buckets); a folder for another model, weights, torch or CPU is refused with a "
+        "warning and the steps are compiled",
+    )
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     parser.add_argument("--served-model-name", help="the model's name in the API (default: PATH as given)")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="uvicorn's (default: %(default)s)")
 
 
+def add_compile_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `compile` command's flags: the checkpoint, the capacities and buckets of `serve --compile`, the folder."""
+    parser.add_argument("model_dir", metavar="PATH", help="a checkpoint folder (save_pretrained) with its tokenizer")
+    parser.add_argument("--out", metavar="DIR", required=True, help="the folder to write (replaced if an artifact)")
+    for action in _serve_parser()._actions:
+        if action.dest in ("max_batch_size", "max_cache_len", "max_encoder_len", "buckets", "threads"):
+            parser._add_action(action)
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    return parser
+
+
+def run_compile(args, parser=None) -> int:
+    """The `compile` command: the engine `serve --compile` builds with these flags, its decode steps written to
+    `--out` (`Engine.save_artifact`); returns the exit status."""
+    import time
+
+    import torch
+
+    args.compile, args.max_queue, args.compile_cache, args.compiled = True, 1, None, None
+    try:
+        for flag in ("max_batch_size", "max_cache_len", "max_encoder_len", "threads"):
+            value = getattr(args, flag)
+            if value is not None and value < 1:
+                raise CommandError(f"--{flag.replace('_', '-')}={value} must be a positive int")
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
+        model, tokenizer, _ = load_checkpoint(args.model_dir)
+        engine = build_engine(args, model, tokenizer)
+    except CommandError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    shapes = engine.decode_shapes()
+    print(f"compiling {len(shapes)} decode shapes of {args.model_dir} into {args.out}", flush=True)
+    try:
+        manifest = engine.save_artifact(args.out, progress=lambda done, total: print(f"  {done}/{total}", flush=True))
+    except (ValueError, RuntimeError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    finally:
+        engine.close()
+    size = sum(entry["bytes"] for entry in manifest["files"].values())
+    print(
+        f"wrote {args.out}: {len(manifest['files'])} graphs, {size / 2**20:.0f} MiB, in {time.perf_counter() - started:.1f} s"
+    )
+    return 0
+
+
 def _check_arguments(args) -> None:
+    if args.compiled is not None:
+        args.compile = True
     for flag in ("port", "max_batch_size", "max_cache_len", "max_encoder_len", "max_queue", "threads"):
         value = getattr(args, flag)
         if value is not None and (value < 1 or (flag == "port" and value > 65535)):
@@ -243,7 +308,9 @@ def warmup_of(args, engine, *, on_done=None):
         bar.close()
         if warmup.state == "ready":
             line = f"compiled {warmup.total} graphs in {warmup.seconds:.1f} s"
-            if engine.warm_start is not None:
+            if engine.artifact is not None:
+                line = f"{engine.artifact.describe()}; ready in {warmup.seconds:.1f} s"
+            elif engine.warm_start is not None:
                 line += f" ({engine.warm_start.describe()})"
             print(line, flush=True)
             print(f"garbage collector: {freeze_heap()} objects of the start frozen (gc.freeze)", flush=True)
@@ -252,7 +319,7 @@ def warmup_of(args, engine, *, on_done=None):
         if on_done is not None:
             on_done(warmup)
 
-    return Warmup(engine, cache_dir=cache_dir, progress=progress, on_done=finished)
+    return Warmup(engine, cache_dir=cache_dir, artifact=args.compiled, progress=progress, on_done=finished)
 
 
 def run(args, parser=None) -> int:

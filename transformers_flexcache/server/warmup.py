@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from ..compile import compiled_graph_count
 from ..log import get_logger
 
 logger = get_logger(__name__)
@@ -32,13 +33,23 @@ class Warmup:
     Args:
         engine (`Engine`): an engine built with a `compile_config`.
         cache_dir (`str | os.PathLike`, *optional*): the compile cache folder (None: inductor's own cache only).
+        artifact (`str | os.PathLike`, *optional*): a compiled artifact folder to load (`Engine.warmup(artifact=)`).
         progress (`Callable[[int, int], None]`, *optional*): also called with (graphs done, graphs in all).
         on_done (`Callable[[Warmup], None]`, *optional*): called in the thread once it ends, ready or failed.
     """
 
-    def __init__(self, engine, *, cache_dir=None, progress: Callable | None = None, on_done: Callable | None = None):
+    def __init__(
+        self,
+        engine,
+        *,
+        cache_dir=None,
+        artifact=None,
+        progress: Callable | None = None,
+        on_done: Callable | None = None,
+    ):
         self.engine = engine
         self.cache_dir = cache_dir
+        self.artifact = artifact
         self._progress = progress
         self._on_done = on_done
         self.state = "pending"  # "warming", "ready", "failed"
@@ -82,7 +93,7 @@ class Warmup:
 
     def _run(self) -> None:
         try:
-            self.engine.warmup(cache_dir=self.cache_dir, progress=self._update)
+            self.engine.warmup(cache_dir=self.cache_dir, artifact=self.artifact, progress=self._update)
         except BaseException as error:  # reported by /health and the command; the thread ends
             self.error = error
             self.state = "failed"
@@ -103,6 +114,7 @@ class Warmup:
         """What `/health` says of the warm-up."""
         body = {"state": self.state, "graphs_done": self.done, "graphs_total": self.total}
         body["seconds"] = round(self.seconds if self.seconds is not None else self.elapsed, 1)
+        body["traced"] = compiled_graph_count()  # graphs dynamo traced in this process so far
         warm_start = self.engine.warm_start
         if warm_start is not None:
             body["compile_cache"] = {
@@ -114,6 +126,13 @@ class Warmup:
             }
         elif self.cache_dir is None:
             body["compile_cache"] = None
+        if self.artifact is not None:
+            loaded = self.engine.artifact
+            body["artifact"] = {
+                "directory": str(self.artifact),
+                "loaded": len(loaded.graphs) if loaded is not None else 0,
+                "refused": self.engine.artifact_refused,
+            }
         if self.error is not None:
             body["error"] = f"{type(self.error).__name__}: {self.error}"
         return body

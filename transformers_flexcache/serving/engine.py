@@ -40,19 +40,27 @@ from ..cache.config import overflow_message
 from ..cache.seats import FlexibleSeatCache, FlexibleSeatEncoderDecoderCache
 from ..compile import (
     RECOMPILE_LIMIT_NAME,
+    ArtifactRefused,
+    artifact_facts,
     check_compiled_int8,
     compile_cache,
     encoder_warmup_calls,
     explained_recompile_limit,
+    load_artifact,
     model_facts,
     recompile_limit,
+    write_artifact,
 )
 from ..generate.policies import POLICIES
+from ..log import get_logger
+from .exported_step import ExportedStep, cache_slots, slot_names, step_input_names
 from .handle import EngineClosedError, QueueFullError, RequestCancelledError, RequestHandle
 from .lockstep import HEARTBEAT_S, StepPlan, share, tensor_parallel_rank
 from .requests import check_request, engine_config
 from .steps import StepRunner
 from .worker import CallKind, RequestSpec, RequestWorker
+
+logger = get_logger(__name__)
 
 
 class Engine:
@@ -125,6 +133,8 @@ class Engine:
             on_admitted=self._admitted,
         )
         self.warm_start = None  # what warmup(cache_dir=...) found in the compile cache (`compile.caching.WarmStart`)
+        self.artifact = None  # the compiled artifact warmup(artifact=...) loaded (`compile.artifact.LoadedArtifact`)
+        self.artifact_refused: str | None = None  # why warmup(artifact=...) compiled instead
 
         self._lock = threading.Condition()
         self._queue: deque[RequestSpec] = deque()
@@ -268,10 +278,15 @@ class Engine:
             self._lock.notify_all()
         return spec.handle
 
-    def warmup(self, *, cache_dir=None, progress=None) -> int:
+    def warmup(self, *, cache_dir=None, artifact=None, progress=None) -> int:
         """Compile the decode step at every shape the policy can give, before serving; returns how many.
 
         Args:
+            artifact (`str | os.PathLike`, *optional*): a compiled artifact folder (`save_artifact`,
+                `transformers-flexcache compile`): its graphs are loaded and nothing is compiled (the token encoder
+                then runs eagerly). A folder compiled for another key (torch, CPU, weights, shapes...), missing or
+                damaged is not used: a warning says why (`artifact_refused`), and the graphs are compiled as without
+                it (with `cache_dir` where given).
             cache_dir (`str | os.PathLike`, *optional*): a compile cache folder (`compile/caching.py`): the graphs
                 that an earlier process compiled for this model, shapes, settings, versions and CPU are loaded
                 instead of compiled, and this warm-up's are written back. `warm_start` says what it found.
@@ -285,6 +300,8 @@ class Engine:
         if self.compile_config is None:
             raise ValueError("warmup() compiles the decode step: build the engine with a compile_config")
         shapes = self.decode_shapes()
+        if artifact is not None and self._load_artifact(artifact, progress):
+            return len(shapes)
         limit = recompile_limit()
         if len(shapes) > limit:
             raise ValueError(
@@ -316,6 +333,66 @@ class Engine:
                     if progress is not None:
                         progress(done, total)
         return len(shapes)
+
+    def save_artifact(self, directory, *, progress=None) -> dict:
+        """Compile the decode step at every shape of the policy into a compiled artifact folder `directory` (replaced
+        when it is one; `compile/artifact.py`), which `warmup(artifact=directory)` loads in a later process without
+        tracing; returns its manifest.
+
+        Args:
+            progress (`Callable[[int, int], None]`, *optional*): called with (graphs done, graphs in all).
+
+        Raises:
+            ValueError: no `compile_config`; a model whose layers take masks of several kinds; `directory` exists
+                and is not an artifact.
+            RuntimeError: requests are running.
+        """
+        if self.compile_config is None:
+            raise ValueError("save_artifact() compiles the decode step: build the engine with a compile_config")
+        shapes = self.decode_shapes()
+        with self._model_lock, torch.no_grad():
+            if self.num_running:
+                raise RuntimeError("save_artifact() runs before serving: requests are running")
+            graphs, names = {}, None
+            for shape in shapes:
+                with self.steps.dummy_decode(shape) as kwargs:
+                    names = step_input_names(self.steps, kwargs)
+                    module = ExportedStep(self.steps, shape, names)
+                    graphs[shape] = (module, [*(kwargs[name] for name in names), *module.cache_tensors()])
+            facts = self._artifact_facts(names)
+            return write_artifact(directory, facts, graphs, self.compile_config, progress=progress)
+
+    def _step_input_names(self) -> list[str]:
+        with self._model_lock, self.steps.dummy_decode(self.decode_shapes()[0]) as kwargs:
+            return step_input_names(self.steps, kwargs)
+
+    def _artifact_facts(self, names: list[str]) -> dict:
+        caller = {
+            "graph": "serving engine decode step",
+            "inputs": names,
+            "cache": slot_names(self.cache),
+            "cache_config": self.config.to_dict(),
+        }
+        return artifact_facts(self.model, self.compile_config, shapes=self.decode_shapes(), caller=caller)
+
+    def _load_artifact(self, directory, progress=None) -> bool:
+        """Load the artifact `directory` into the decode step; False (with a warning that says why) where it is
+        not used."""
+        try:
+            names = self._step_input_names()
+            loaded = load_artifact(directory, self._artifact_facts(names))
+        except (ArtifactRefused, ValueError) as error:
+            self.artifact_refused = str(error)
+            logger.warning("compiled artifact not used, compiling instead: %s", error)
+            return False
+        with self._model_lock:
+            if self.num_running:
+                raise RuntimeError("warmup() runs before serving: requests are running")
+            self.steps.load_graphs(loaded.graphs, names, cache_slots(self.cache))
+        self.artifact = loaded
+        if progress is not None:
+            progress(len(loaded.graphs), len(loaded.graphs))
+        return True
 
     def _compile_cache(self, cache_dir, shapes: list, encoder_calls: list):
         facts = {

@@ -147,6 +147,10 @@ class StepRunner:
             else None
         )
         self._mask_fill = torch.finfo(model.dtype).min if model.config._attn_implementation == "eager" else None
+        # a compiled artifact's decode graphs, by shape (`load_graphs`)
+        self.loaded_graphs: dict = {}
+        self.loaded_inputs: list[str] = []
+        self.loaded_slots: list = []
 
     # --- the model's facts --------------------------------------------------------------------------------------
     def _mask_kinds(self, own) -> dict:
@@ -471,8 +475,7 @@ class StepRunner:
                 tokens=tokens.to(device),
                 positions=positions.to(device) if positions is not None else None,
             )
-            with self.compile_settings():
-                outputs = self.decode_forward(**kwargs)
+            outputs = self.forward_decode((span, window, cross_window), kwargs)
         finally:
             self.cache.end_step()
         self.cache.advance(rows_on_device)
@@ -488,6 +491,28 @@ class StepRunner:
         return results
 
     # --- the shapes of decode steps: the shape policy's sizing, as generate pads a call (`generate.policies`) ------
+    def forward_decode(self, shape: tuple, kwargs: dict):
+        """The decode step's forward at `shape` on `kwargs` (`decode_inputs`): the artifact's graph of that shape
+        where one is loaded (`load_graphs`), else the compiled (or eager) forward."""
+        graph = self.loaded_graphs.get(shape)
+        if graph is not None:
+            inputs = [kwargs[name] for name in self.loaded_inputs]
+            logits = graph([*inputs, *(getattr(owner, name) for owner, name in self.loaded_slots)])[0]
+            return self.output_type(logits=logits)
+        with self.compile_settings():
+            return self.decode_forward(**kwargs)
+
+    def load_graphs(self, graphs: dict, input_names: list[str], slots: list) -> None:
+        """Run the decode steps of the shapes of `graphs` (`{(B, W, E_W): graph}`, a compiled artifact's) with them:
+        each takes the tensors of `input_names` of the step's kwargs, then the cache's tensors (`slots`,
+        `exported_step.cache_slots`). The token encoder and the projections then run eagerly: nothing is traced."""
+        self.loaded_graphs, self.loaded_inputs, self.loaded_slots = dict(graphs), list(input_names), list(slots)
+        self.compiled_encoder = None
+        if self.cross_attention_projections is not None:
+            self.project_cross_attention = cross_attention_projector(
+                self.model, None, self.cross_attention_projections
+            )
+
     def _capacities(self) -> dict[str, int]:
         capacities = {"max_batch_size": self.max_batch_size, "max_cache_len": self.max_cache_len}
         if self.is_encoder_decoder:
@@ -521,6 +546,14 @@ class StepRunner:
     def run_dummy_decode(self, span: int, window: int, cross_window: int | None) -> None:
         """A decode step at `(B, W, E_W)` with every seat free (`warmup`): each attends to its column 0 and writes
         there, so nothing of a request is touched."""
+        with self.dummy_decode((span, window, cross_window)) as kwargs:
+            self.forward_decode((span, window, cross_window), kwargs)
+
+    @contextlib.contextmanager
+    def dummy_decode(self, shape: tuple):
+        """Within this context the cache is in a decode step at `shape` (`(B, W, E_W)`) with every seat free (each
+        attends to its column 0 and writes there); yields the step's kwargs (`decode_inputs`)."""
+        span, window, cross_window = shape
         cache = self.cache
         if self.is_encoder_decoder:
             cache.begin_decode(span=span, window=window, cross_window=cross_window)
@@ -529,7 +562,7 @@ class StepRunner:
         try:
             cache.mark_written(span)
             empty = torch.zeros(0, dtype=torch.long, device=cache.device)
-            kwargs = self.decode_inputs(
+            yield self.decode_inputs(
                 span=span,
                 window=window,
                 cross_window=cross_window,
@@ -537,7 +570,5 @@ class StepRunner:
                 tokens=empty,
                 positions=empty if self.position_ids_key is not None else None,
             )
-            with self.compile_settings():
-                self.decode_forward(**kwargs)
         finally:
             cache.end_step()

@@ -27,7 +27,7 @@ import operator
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from .nodes import call_node, pass_uuid, same_type, type_hash
+from .nodes import call_node, name_new_nodes, pass_uuid, same_type, type_hash
 
 DECODE_ATTENTION = ("auto", "inductor", "library")
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -49,9 +49,11 @@ class OneQueryAttention(CustomGraphPass):
     `compile_config_for_cpu()` configs compare equal (upstream's generate keeps its compiled call while they do)."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        before = set(graph.nodes)
         for node in list(graph.nodes):
             if node.op == "call_function" and node.target is _FLASH and _one_query(node):
                 _replace(graph, node)
+        name_new_nodes(graph, before, _FLASH)  # kernels named after the attention they compute
 
     uuid = pass_uuid  # this file's hash
     __eq__ = same_type

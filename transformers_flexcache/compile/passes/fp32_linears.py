@@ -29,7 +29,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._prims_common import make_contiguous_strides_for
 
 from ..cpu import cpu_facts
-from .nodes import LIBRARY, call_node, pass_uuid, replace_node, same_type, type_hash
+from .nodes import LIBRARY, call_node, name_new_nodes, pass_uuid, replace_node, same_type, type_hash
 
 LINEAR_KERNELS = ("auto", "onednn", "mkl")
 ONE_ROW_LINEARS = ("auto", "inductor", "library")
@@ -245,6 +245,7 @@ class OneRowLinears(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         module = graph.owning_module
         replaced = set()
+        before = set(graph.nodes)
         for node, (inputs, packed, weight, bias, batch_size) in _frozen_mkl_linears(graph):
             value = getattr(module, weight.target)
             if batch_size != 1 or not value.is_contiguous() or value.shape[-1] != inputs.meta["val"].shape[-1]:
@@ -266,6 +267,7 @@ class OneRowLinears(CustomGraphPass):
             graph.erase_node(node)
             replaced.add(packed.target)  # the weight itself stays: the products read it
         _free_unused(graph, replaced)
+        name_new_nodes(graph, before, torch.ops.aten.mm.default)  # kernels named `..._mm_...`
 
     uuid = pass_uuid
     __eq__ = same_type

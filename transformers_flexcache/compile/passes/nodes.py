@@ -54,3 +54,12 @@ def node_value(node: torch.fx.Node, fake_mode):
     if "val" not in node.meta:
         node.meta["val"] = fake_mode.from_tensor(getattr(node.graph.owning_module, node.target), static_shapes=True)
     return node.meta["val"]
+
+
+def name_new_nodes(graph: torch.fx.Graph, before: set, op) -> None:
+    """Gives the nodes of `graph` not in `before` (those a pass added) `op` as their `meta["original_aten"]`, where
+    they have none: inductor names a fused C++ kernel after its nodes' original aten ops, so a pass's loops keep
+    the name of what they compute (a profile reads it: `bench/profile.py`). Names only; the code is the same."""
+    for node in graph.nodes:
+        if node not in before and node.op == "call_function" and node.meta.get("original_aten") is None:
+            node.meta["original_aten"] = op

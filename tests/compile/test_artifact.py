@@ -1,0 +1,94 @@
+"""The compiled artifact's key and manifest checks (`compile/artifact.py`) without compiling a graph: what differs
+is named, and a folder without a readable manifest, with a missing or changed file, is refused with the reason.
+The engine's artifacts, compiled and loaded: tests/serving/test_artifact.py (slow)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from transformers_flexcache.compile import ArtifactRefused, load_artifact
+from transformers_flexcache.compile.artifact import differences, weights_digest
+
+
+def key(**changes) -> dict:
+    base = {
+        "torch": "2.13.0",
+        "transformers": "5.24.0",
+        "threads": 1,
+        "cpu": {
+            "vendor": "AuthenticAMD",
+            "family": 25,
+            "model": 17,
+            "flags": ["avx2", "avx512f"],
+            "capability": "AVX512",
+        },
+        "model": {"class": "T5", "dtype": "torch.float32", "quantization": None},
+        "weights": "aa",
+        "shapes": [[1, 16, 16]],
+    }
+    return {**base, **changes}
+
+
+@pytest.mark.parametrize(
+    ("found", "message"),
+    [
+        (key(torch="2.12.0"), "torch 2.12.0 in the artifact, 2.13.0 here"),
+        (key(weights="bb"), "weights differ"),
+        (key(shapes=[[2, 16, 16]]), "shapes differ"),
+        (key(model={"class": "T5", "dtype": "torch.float32", "quantization": "int8"}), "model quantization differ"),
+        (
+            key(
+                cpu={
+                    "vendor": "GenuineIntel",
+                    "family": 6,
+                    "model": 143,
+                    "flags": ["amx_tile", "avx2", "avx512f"],
+                    "capability": "AVX512",
+                }
+            ),
+            "CPU: amx_tile missing here; vendor GenuineIntel in the artifact, AuthenticAMD here; family 6 in the artifact",
+        ),
+    ],
+    ids=["torch", "weights", "shapes", "quantization", "cpu"],
+)
+def test_each_difference_of_the_key_is_named(found, message):
+    assert message in "; ".join(differences(found, key()))
+    assert differences(key(), key()) == []
+
+
+def test_the_weights_digest_sees_a_change_of_one_value():
+    model = torch.nn.Linear(4, 3)
+    before = weights_digest(model)
+    assert weights_digest(model) == before
+    with torch.no_grad():
+        model.weight[1, 2] += 1e-3
+    assert weights_digest(model) != before
+
+
+def write(folder, manifest) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "graphs").mkdir(exist_ok=True)
+    (folder / "manifest.json").write_text(manifest if isinstance(manifest, str) else json.dumps(manifest))
+
+
+def test_a_folder_without_a_readable_manifest_is_refused(tmp_path):
+    with pytest.raises(ArtifactRefused, match="holds no manifest.json"):
+        load_artifact(tmp_path / "absent", key())
+    write(tmp_path / "garbled", "{not json")
+    with pytest.raises(ArtifactRefused, match="manifest.json is unreadable"):
+        load_artifact(tmp_path / "garbled", key())
+
+
+def test_a_missing_or_changed_graph_file_is_refused_before_anything_loads(tmp_path):
+    graph = "graphs/1_16_16.pt2"
+    write(tmp_path, {"key": key(), "files": {graph: {"shape": [1, 16, 16], "bytes": 4, "sha256": "0" * 64}}})
+    with pytest.raises(ArtifactRefused, match=f"{graph} is missing"):
+        load_artifact(tmp_path, key())
+    (tmp_path / graph).write_bytes(b"abcd")
+    with pytest.raises(ArtifactRefused, match=f"{graph} changed since it was written"):
+        load_artifact(tmp_path, key())
+    with pytest.raises(ArtifactRefused, match="compiled for another setting: torch 2.13.0 in the artifact, 9 here"):
+        load_artifact(tmp_path, key(torch="9"))

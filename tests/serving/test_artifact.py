@@ -1,0 +1,159 @@
+"""Compiled artifacts on the engine: `Engine.save_artifact(DIR)` once, then `Engine.warmup(artifact=DIR)` loads the
+graphs without tracing (dynamo's counters do not move, through warm-up and serving) and the requests get upstream
+generate's tokens; a damaged folder is a warning and a compile (still the right tokens), and an artifact of another
+key (weights, torch, CPU, shapes) is refused with a message that names which.
+
+One artifact (the padded policy: one graph) is compiled for the module, with AOTInductor, and the damaged folder's
+test compiles once more: about ten minutes on a busy 2-core machine, so the module is `slow` (the key's comparison and
+the manifest's checks without a compile: tests/compile/test_artifact.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import shutil
+
+import pytest
+import torch
+
+from tests.helpers import own_copy
+from tests.model_cases import MODEL_CASES
+from tests.serving.test_engine import TIMEOUT, assert_same_output, capacities, reference, request_stream
+from transformers_flexcache.compile import compile_config_for_cpu, compiled_graph_count
+from transformers_flexcache.serving import Engine
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """`(upstream, override, cache_config, folder)`: the tiny T5's artifact, written by an engine of the padded
+    policy."""
+    torch._dynamo.reset()
+    case = next(case for case in MODEL_CASES if case.name == "t5")
+    upstream, flex = case.build("sdpa")
+    config = {**capacities(flex), "shape_policy": "padded"}
+    folder = tmp_path_factory.mktemp("artifact") / "t5"
+    with Engine(flex, cache_config=config, compile_config=compile_config_for_cpu()) as engine:
+        manifest = engine.save_artifact(folder)
+    assert list(manifest["files"]) == ["graphs/4_40_16.pt2"]
+    return upstream, flex, config, folder
+
+
+def serve_stream(engine, stream) -> list:
+    handles = [engine.submit(**own_copy(inputs), seed=seed, **kwargs) for inputs, kwargs, seed in stream]
+    return [handle.result(timeout=TIMEOUT) for handle in handles]
+
+
+def test_an_engine_loads_the_artifact_traces_nothing_and_serves_generate_s_tokens(compiled):
+    upstream, flex, config, folder = compiled
+    case = next(case for case in MODEL_CASES if case.name == "t5")
+    stream = request_stream(case, num_requests=5)
+    expected = [reference(upstream, inputs, kwargs, seed) for inputs, kwargs, seed in stream]
+    traced = compiled_graph_count()
+    with Engine(flex, cache_config=config, compile_config=compile_config_for_cpu()) as engine:
+        assert engine.warmup(artifact=folder) == 1
+        assert engine.artifact is not None and engine.artifact_refused is None
+        outputs = serve_stream(engine, stream)
+    assert compiled_graph_count() == traced  # neither the warm-up nor any request traced a graph
+    for want, got in zip(expected, outputs, strict=True):
+        assert_same_output(want, got)
+
+
+def test_a_damaged_artifact_is_a_warning_and_a_compile_with_the_right_tokens(compiled, tmp_path, caplog):
+    upstream, flex, config, folder = compiled
+    damaged = tmp_path / "damaged"
+    shutil.copytree(folder, damaged)
+    graph = damaged / "graphs" / "4_40_16.pt2"
+    data = bytearray(graph.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    graph.write_bytes(bytes(data))
+    case = next(case for case in MODEL_CASES if case.name == "t5")
+    stream = request_stream(case, num_requests=2)
+    expected = [reference(upstream, inputs, kwargs, seed) for inputs, kwargs, seed in stream]
+    torch._dynamo.reset()
+    traced = compiled_graph_count()
+    with (
+        caplog.at_level(logging.WARNING),
+        Engine(flex, cache_config=config, compile_config=compile_config_for_cpu()) as engine,
+    ):
+        assert engine.warmup(artifact=damaged) == 1
+        outputs = serve_stream(engine, stream)
+    assert engine.artifact is None and "graphs/4_40_16.pt2 changed since it was written" in engine.artifact_refused
+    assert "compiled artifact not used, compiling instead" in caplog.text
+    assert compiled_graph_count() > traced  # compiled in this process instead
+    for want, got in zip(expected, outputs, strict=True):
+        assert_same_output(want, got)
+
+
+def refusal(flex, config, folder) -> str | None:
+    """Why an engine refuses the artifact `folder` (None: it loads)."""
+    with Engine(flex, cache_config=config, compile_config=compile_config_for_cpu()) as engine:
+        loaded = engine._load_artifact(folder)
+        assert loaded == (engine.artifact_refused is None)
+        return engine.artifact_refused
+
+
+def edited(folder, tmp_path, edit) -> object:
+    """A copy of the artifact `folder` whose manifest's key `edit(key)` changed."""
+    copy_ = tmp_path / "edited"
+    shutil.copytree(folder, copy_)
+    manifest = json.loads((copy_ / "manifest.json").read_text())
+    edit(manifest["key"])
+    (copy_ / "manifest.json").write_text(json.dumps(manifest))
+    return copy_
+
+
+def test_the_artifact_loads_for_its_own_key(compiled):
+    _, flex, config, folder = compiled
+    assert refusal(flex, config, folder) is None
+
+
+def test_other_weights_are_refused_by_name(compiled):
+    _, flex, config, folder = compiled
+    other = copy.deepcopy(flex)
+    with torch.no_grad():
+        next(other.parameters())[0, 0] += 1.0
+    assert "weights differ" in refusal(other, config, folder)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda key: key.update(torch="2.0.0"), f"torch 2.0.0 in the artifact, {torch.__version__} here"),
+        (lambda key: key["cpu"]["flags"].append("amx_tile"), "CPU: amx_tile missing here"),
+        (lambda key: key.update(transformers="4.0.0"), "transformers 4.0.0 in the artifact"),
+        (lambda key: key.update(threads=64), "threads 64 in the artifact"),
+    ],
+    ids=["torch", "cpu", "transformers", "threads"],
+)
+def test_an_artifact_of_another_environment_is_refused_by_name(compiled, tmp_path, edit, message):
+    _, flex, config, folder = compiled
+    assert message in refusal(flex, config, edited(folder, tmp_path, edit))
+
+
+def test_other_capacities_are_refused(compiled):
+    _, flex, config, folder = compiled
+    assert "shapes differ" in refusal(flex, {**config, "max_cache_len": 32}, folder)
+
+
+def test_a_missing_manifest_or_graph_is_refused(compiled, tmp_path):
+    _, flex, config, folder = compiled
+    copy_ = tmp_path / "partial"
+    shutil.copytree(folder, copy_)
+    (copy_ / "graphs" / "4_40_16.pt2").unlink()
+    assert "graphs/4_40_16.pt2 is missing" in refusal(flex, config, copy_)
+    (copy_ / "manifest.json").unlink()
+    assert "holds no manifest.json" in refusal(flex, config, copy_)
+    assert "holds no manifest.json" in refusal(flex, config, tmp_path / "nothing")
+
+
+def test_save_artifact_leaves_a_folder_that_is_not_an_artifact_alone(compiled, tmp_path):
+    _, flex, config, _ = compiled
+    (tmp_path / "mine.txt").write_text("not an artifact")
+    with Engine(flex, cache_config=config, compile_config=compile_config_for_cpu()) as engine:
+        with pytest.raises(ValueError, match="is not a compiled artifact, and is left alone"):
+            engine.save_artifact(tmp_path)
+    assert (tmp_path / "mine.txt").read_text() == "not an artifact"

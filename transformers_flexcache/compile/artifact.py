@@ -1,0 +1,239 @@
+"""Compiled artifacts: graphs compiled once, shipped as a folder, loaded by later processes without tracing
+(`transformers-flexcache compile MODEL --out DIR`, `serve --compiled DIR`, `Engine.save_artifact(DIR)`,
+`Engine.warmup(artifact=DIR)`).
+
+Design decisions (the probe behind them: docs/performance.md, "Compiled artifacts"; `scripts/probe_compile_routes.py`):
+- AOTInductor, not dynamo's `aot_compile`. Each graph is a module of tensors in and tensors out (the caller builds
+  it: the serving engine's decode step at one shape, `serving/exported_step.py`), `torch.export`ed and compiled by
+  `torch._inductor.aoti_compile_and_package` under the settings of the caller's `compile_config` (freezing and the
+  package's graph passes, as a `torch.compile` of the same step gets them), into a `.pt2` that holds a shared library
+  with its frozen (packed) weights. Loading it is a `dlopen` (`torch._C._aoti.AOTIModelPackageLoader`, not
+  `aoti_load_package`, which probes the C++ compiler for seconds): no dynamo, no AOT autograd, no freezing, no C++
+  build. Dynamo's `aot_compile` route needed freezing off (weights as graph inputs), its guards on objects dropped
+  (they do not serialize), the modules its bytecode names given back by hand, and its C++ kernels built again in a
+  process with an empty inductor cache (93 s for a tiny T5's one graph in the probe).
+- A folder: `manifest.json` (written last) holds the key and every file with its size and SHA-256; `graphs/` one
+  `.pt2` per graph. Written to a temporary folder beside `DIR` and renamed into place, so a folder is whole or absent.
+- The key (`artifact_facts`): what a compiled graph depends on and the package cannot see in the graph itself: the
+  CPU (vendor, family, model, instruction sets: the library's kernels are built for them), the versions of torch,
+  transformers, this package and Python, torch's threads, the model's class, config, dtype and quantization, the
+  compile settings, the shapes, the caller's facts (the order of the tensors a graph takes), and the weights' SHA-256
+  (frozen into the graphs: other weights would give other tokens).
+- Never a wrong token from the folder: `load_artifact` answers a `LoadedArtifact`, or None with a warning that says
+  why, and the caller compiles as without it: a key that differs (the warning names each fact: "torch 2.12.0 in the
+  artifact, 2.13.0 here", "CPU instruction sets: avx512f missing here", "weights differ"), a missing or unreadable
+  manifest, a file missing or changed since it was written, a graph the loader refuses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from ..log import get_logger
+from .caching import environment_facts, model_facts
+
+logger = get_logger(__name__)
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+GRAPHS = "graphs"
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """SHA-256 of `model`'s parameters and buffers: names, dtypes, shapes and bytes (the inner tensors of a tensor
+    subclass, e.g. torchao's int8 weights)."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict(keep_vars=False).items()):
+        for part_name, part in _plain_parts(name, tensor):
+            digest.update(f"{part_name}:{part.dtype}:{tuple(part.shape)}\n".encode())
+            data = part.detach().contiguous().cpu()
+            digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    return digest.hexdigest()
+
+
+def _plain_parts(name: str, tensor: torch.Tensor):
+    flatten = getattr(type(tensor), "__tensor_flatten__", None)
+    if flatten is None or type(tensor) in (torch.Tensor, torch.nn.Parameter):
+        yield name, tensor
+        return
+    inner_names, context = tensor.__tensor_flatten__()
+    for inner in inner_names:
+        yield from _plain_parts(f"{name}.{inner}", getattr(tensor, inner))
+
+
+def artifact_facts(model, compile_config, *, shapes: list, caller: dict) -> dict:
+    """The key of an artifact: the environment, the model and its settings, the shapes, the caller's facts, the
+    weights (see the module docstring)."""
+    facts = {
+        "format": FORMAT,
+        **environment_facts(),
+        "model": model_facts(model, compile_config),
+        "weights": weights_digest(model),
+        "shapes": [list(shape) for shape in shapes],
+        "caller": caller,
+    }
+    return json.loads(json.dumps(facts, sort_keys=True, default=str))  # as the manifest holds it
+
+
+def differences(found: dict, expected: dict) -> list[str]:
+    """What differs between an artifact's key (`found`) and this process's (`expected`), one phrase per fact."""
+    phrases = []
+    for name in sorted(set(found) | set(expected)):
+        there, here = found.get(name), expected.get(name)
+        if there == here:
+            continue
+        if name == "cpu":
+            phrases.append(_cpu_difference(there or {}, here or {}))
+        elif name == "weights":
+            phrases.append("weights differ (another checkpoint, or the model changed since it was compiled)")
+        elif name == "model":
+            keys = sorted(key for key in set(there or {}) | set(here or {}) if (there or {}).get(key) != here.get(key))
+            phrases.append(f"model {', '.join(keys)} differ")
+        elif isinstance(there, dict | list) or isinstance(here, dict | list):
+            phrases.append(f"{name} differ")
+        else:
+            phrases.append(f"{name} {there} in the artifact, {here} here")
+    return phrases
+
+
+def _cpu_difference(there: dict, here: dict) -> str:
+    missing = sorted(set(there.get("flags", ())) - set(here.get("flags", ())))
+    extra = sorted(set(here.get("flags", ())) - set(there.get("flags", ())))
+    parts = []
+    if missing:
+        parts.append(f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''} missing here")
+    if extra:
+        parts.append(f"{', '.join(extra[:8])}{' ...' if len(extra) > 8 else ''} only here")
+    for key in ("vendor", "family", "model", "capability"):
+        if there.get(key) != here.get(key):
+            parts.append(f"{key} {there.get(key)} in the artifact, {here.get(key)} here")
+    return "CPU: " + "; ".join(parts or ["differs"])
+
+
+def graph_name(shape) -> str:
+    return "_".join(str(size) for size in shape)
+
+
+def write_artifact(directory, facts: dict, graphs: dict, compile_config, *, progress=None) -> dict:
+    """Export and compile each graph of `graphs` (`{shape: (module, example_inputs)}`) with AOTInductor under the
+    settings of `compile_config`, into the folder `directory` (replaced as a whole when it exists); returns the
+    manifest.
+
+    Raises:
+        ValueError: `directory` exists and is not an artifact folder (no manifest): it is left alone.
+    """
+    from torch._inductor import aoti_compile_and_package
+
+    from .config import compile_settings
+
+    target = Path(directory).expanduser().resolve()
+    if target.exists() and not (target / MANIFEST).is_file():
+        if any(target.iterdir()):
+            raise ValueError(
+                f"{target} exists and holds no {MANIFEST}: it is not a compiled artifact, and is left alone; pass "
+                "an empty or new folder"
+            )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        (staging / GRAPHS).mkdir()
+        options = dict(getattr(compile_config, "options", None) or {})
+        files, seconds = {}, {}
+        if progress is not None:
+            progress(0, len(graphs))
+        for done, (shape, (module, inputs)) in enumerate(graphs.items(), start=1):
+            started = time.perf_counter()
+            name = f"{GRAPHS}/{graph_name(shape)}.pt2"
+            with torch.no_grad(), compile_settings(compile_config):
+                program = torch.export.export(module, tuple(inputs), strict=False)
+                aoti_compile_and_package(program, package_path=str(staging / name), inductor_configs=options)
+            files[name] = {"shape": list(shape)}
+            seconds[name] = round(time.perf_counter() - started, 2)
+            if progress is not None:
+                progress(done, len(graphs))
+        for name, entry in files.items():
+            path = staging / name
+            entry.update(bytes=path.stat().st_size, sha256=_sha256(path))
+        manifest = {"key": facts, "files": files, "compile_seconds": seconds}
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True, default=str))
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    logger.info("compiled artifact %s written: %d graphs", target, len(files))
+    return manifest
+
+
+@dataclasses.dataclass
+class LoadedArtifact:
+    """The graphs of an artifact folder, loaded.
+
+    Args:
+        directory: the folder.
+        graphs: `{shape: callable}`: each takes the graph's tensors (a list, in the caller's order) and returns its
+            outputs (a list).
+        seconds: the load's.
+    """
+
+    directory: str
+    graphs: dict
+    seconds: float
+
+    def describe(self) -> str:
+        return f"compiled artifact {self.directory}: {len(self.graphs)} graphs loaded in {self.seconds:.1f} s"
+
+
+class ArtifactRefused(Exception):
+    """Why an artifact folder was not used (the message); the caller compiles instead."""
+
+
+def load_artifact(directory, facts: dict) -> LoadedArtifact:
+    """The graphs of the artifact folder `directory` whose key equals `facts`.
+
+    Raises:
+        ArtifactRefused: the folder is missing, damaged, or compiled for another key; the message says which.
+    """
+    started = time.perf_counter()
+    root = Path(directory).expanduser().resolve()
+    try:
+        manifest = json.loads((root / MANIFEST).read_text())
+        found, files = manifest["key"], manifest["files"]
+    except FileNotFoundError as error:
+        raise ArtifactRefused(f"{root} holds no {MANIFEST} (not an artifact, or one not fully written)") from error
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ArtifactRefused(f"{root}/{MANIFEST} is unreadable ({error})") from error
+    if found != facts:
+        raise ArtifactRefused(f"{root} was compiled for another setting: {'; '.join(differences(found, facts))}")
+    for name, entry in files.items():
+        path = root / name
+        if not path.is_file():
+            raise ArtifactRefused(f"{root}: {name} is missing")
+        if path.stat().st_size != entry["bytes"] or _sha256(path) != entry["sha256"]:
+            raise ArtifactRefused(f"{root}: {name} changed since it was written")
+    graphs = {}
+    for name, entry in files.items():
+        try:
+            loader = torch._C._aoti.AOTIModelPackageLoader(str(root / name), "model", False, 1, -1)
+        except Exception as error:  # any refusal of torch's loader: the folder is not used
+            raise ArtifactRefused(f"{root}: {name} did not load ({type(error).__name__}: {error})") from error
+        graphs[tuple(entry["shape"])] = loader.run
+    return LoadedArtifact(str(root), graphs, time.perf_counter() - started)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

@@ -102,7 +102,7 @@ class OneAtATimeWhisper(_QueueServer):
         (request,) = batch
         self.seats.append(1)
         output = self.model.generate(input_features=request.features, **self.kwargs)
-        return math.nan, [tokens_of(output, self.model.generation_config.pad_token_id)]
+        return math.nan, [(tokens_of(output, self.model.generation_config.pad_token_id), None)]  # (tokens, scores)
 
 
 class InFlightWhisper(Strategy):
@@ -163,7 +163,7 @@ class FasterWhisper(_QueueServer):
             vad_filter=False,
             max_new_tokens=self.max_new_tokens,
         )
-        return math.nan, [[token for segment in segments for token in segment.tokens]]
+        return math.nan, [([token for segment in segments for token in segment.tokens], None)]  # (tokens, scores)
 
     def allocations(self) -> int | None:
         return None

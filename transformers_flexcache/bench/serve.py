@@ -111,22 +111,35 @@ def make_stream(
 
 # --- running a stream -------------------------------------------------------------------------------------------
 def run_stream(strategy: Strategy, stream: list[LoadRequest], rate: float, *, timeout: float) -> None:
-    """Submit every request at its arrival time (open loop), then wait (at most `timeout` s) for every outcome."""
+    """Submit every request at its arrival time (open loop), then wait (at most `timeout` s) for every outcome.
+
+    Raises:
+        RuntimeError: the strategy's server stopped (its cause is what stopped it), raised as soon as it is seen.
+        TimeoutError: the stream did not finish within `timeout` seconds.
+    """
     strategy.start()
     start = time.perf_counter()
-    for request in stream:
-        wait = start + request.arrival / rate - time.perf_counter()
-        if wait > 0:
-            time.sleep(wait)
-        strategy.submit(request, time.perf_counter())
-    deadline = time.perf_counter() + timeout
     try:
+        for request in stream:
+            wait = start + request.arrival / rate - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
+            _raise_failure(strategy)
+            strategy.submit(request, time.perf_counter())
+        deadline = time.perf_counter() + timeout
         while any(math.isnan(outcome.done) for outcome in list(strategy.outcomes.values())):
+            _raise_failure(strategy)
             if time.perf_counter() > deadline:
                 raise TimeoutError(f"{strategy.name}: the stream did not finish within {timeout} s")
             time.sleep(0.005)
+        _raise_failure(strategy)
     finally:
         strategy.stop()
+
+
+def _raise_failure(strategy: Strategy) -> None:
+    if strategy.failure is not None:
+        raise RuntimeError(f"{strategy.name}: its server stopped with {strategy.failure!r}") from strategy.failure
 
 
 def summarize(

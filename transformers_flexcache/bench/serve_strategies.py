@@ -12,6 +12,10 @@ Every strategy decodes as the stream's `Decoding` says: greedy, or beam search o
 `num_return_sequences` hypotheses with their scores (what `/v1/completions` with `n` and `num_beams` asks of the
 engine; CTranslate2's `translate_batch` with `beam_size`, `num_hypotheses` and `return_scores`). A batching strategy
 then takes `max_batch_size // num_beams` requests per batch: the same cache rows as the engine's seats.
+
+A batch that fails (in `run_batch`, or its results in being recorded) is its requests' failed rows, and the queue
+server goes on; one whose thread stops outside a batch keeps what stopped it in `failure`, which `run_stream` raises at
+once.
 """
 
 from __future__ import annotations
@@ -137,6 +141,7 @@ class Strategy:
     compile_s: float | None = None
 
     hooked = None  # the model whose forwards the allocation counter sees (None: not counted that way)
+    failure: Exception | None = None  # what stopped the strategy's server (run_stream raises it at once)
 
     def __init__(self):
         self.outcomes: dict[int, Outcome] = {}
@@ -181,22 +186,33 @@ class _QueueServer(Strategy):
         self._queue.put(request)
 
     def _serve(self) -> None:
-        while True:
-            batch = self._next_batch()
-            if batch is None:
+        try:
+            while (batch := self._next_batch()) is not None:
+                self._serve_batch(batch)
+        except Exception as error:  # noqa: BLE001 - outside a batch: the thread stops and run_stream raises it
+            self.failure = error
+            unserved = [index for index, outcome in list(self.outcomes.items()) if math.isnan(outcome.done)]
+            self._fail(unserved, f"the server thread stopped with {error!r}")
+
+    def _serve_batch(self, batch: list[LoadRequest]) -> None:
+        with torch.no_grad():
+            try:
+                first_step, results = self.run_batch(batch)
+                finished = [
+                    (request, tokens, scores) for request, (tokens, scores) in zip(batch, results, strict=True)
+                ]
+            except Exception as error:  # noqa: BLE001 - a failed batch is a row of the report, not a crash
+                self._fail([request.index for request in batch], repr(error))
                 return
-            with torch.no_grad():
-                try:
-                    first_step, results = self.run_batch(batch)
-                except Exception as error:  # noqa: BLE001 - a failed batch is a row of the report, not a crash
-                    for request in batch:
-                        self.outcomes[request.index].error = repr(error)
-                        self.outcomes[request.index].done = time.perf_counter()
-                    continue
-            done = time.perf_counter()
-            for request, (tokens, scores) in zip(batch, results, strict=True):
-                outcome = self.outcomes[request.index]
-                outcome.tokens, outcome.scores, outcome.first_token, outcome.done = tokens, scores, first_step, done
+        done = time.perf_counter()
+        for request, tokens, scores in finished:
+            outcome = self.outcomes[request.index]
+            outcome.tokens, outcome.scores, outcome.first_token, outcome.done = tokens, scores, first_step, done
+
+    def _fail(self, indices: list[int], error: str) -> None:
+        done = time.perf_counter()
+        for index in indices:
+            self.outcomes[index].error, self.outcomes[index].done = error, done
 
     def _next_batch(self) -> list[LoadRequest] | None:
         request = self._queue.get()

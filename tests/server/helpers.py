@@ -90,6 +90,16 @@ def serving(app):
 
 
 @contextlib.contextmanager
+def tiny_server(name: str, tmp_path_factory, *, cache_config: dict):
+    """A server on the tiny `name` model saved in a fresh folder (for a module's fixture); yields `(base_url, upstream
+    model, tokenizer)`, upstream's model being the reference of its answers."""
+    folder = tmp_path_factory.mktemp(name)
+    upstream = save_checkpoint(name, folder)
+    with serving(build_app(folder, cache_config=cache_config)) as base_url:
+        yield base_url, upstream, char_tokenizer()
+
+
+@contextlib.contextmanager
 def slowed(model, seconds_per_call: float):
     """Every forward of `model` (each batched step of the engine) takes `seconds_per_call` longer: a request of many
     tokens then surely runs while a test looks at it, on any machine."""

@@ -10,9 +10,7 @@ import json
 import httpx
 import pytest
 
-from tests.serving.test_engine import char_tokenizer
-
-from .helpers import TIMEOUT, build_app, new_tokens, openai_client, reference, save_checkpoint, serving
+from .helpers import TIMEOUT, new_tokens, openai_client, reference, tiny_server
 
 CAPACITIES = {
     "llama": {"max_batch_size": 4, "max_cache_len": 64},
@@ -24,10 +22,8 @@ PROMPT = "helloWorld42"
 @pytest.fixture(scope="module", params=["llama", "t5"])
 def server(request, tmp_path_factory):
     """`(base_url, upstream model, tokenizer)` of a server on the tiny model."""
-    folder = tmp_path_factory.mktemp(request.param)
-    upstream = save_checkpoint(request.param, folder)
-    with serving(build_app(folder, cache_config=CAPACITIES[request.param])) as base_url:
-        yield base_url, upstream, char_tokenizer()
+    with tiny_server(request.param, tmp_path_factory, cache_config=CAPACITIES[request.param]) as served:
+        yield served
 
 
 def expected_choice(upstream, tokenizer, prompt, *, seed=None, stop=None, **kwargs) -> list[tuple[str, list[int]]]:

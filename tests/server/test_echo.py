@@ -12,17 +12,14 @@ import pytest
 import torch
 
 from tests.helpers import in_double
-from tests.serving.test_engine import char_tokenizer
 
 from .helpers import (
     assert_answers_within_float_noise,
     assert_sequence_scores_within_float_noise,
-    build_app,
     new_tokens,
     openai_client,
     reference,
-    save_checkpoint,
-    serving,
+    tiny_server,
 )
 
 PROMPT = "helloWorld42"
@@ -31,10 +28,8 @@ PROMPT = "helloWorld42"
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     """`(base_url, upstream model, tokenizer)` of a tiny Llama server."""
-    folder = tmp_path_factory.mktemp("llama")
-    upstream = save_checkpoint("llama", folder)
-    with serving(build_app(folder, cache_config={"max_batch_size": 4, "max_cache_len": 48})) as base_url:
-        yield base_url, upstream, char_tokenizer()
+    with tiny_server("llama", tmp_path_factory, cache_config={"max_batch_size": 4, "max_cache_len": 48}) as served:
+        yield served
 
 
 def prompt_logprobs(upstream, ids: list[int]) -> torch.Tensor:

@@ -15,18 +15,15 @@ import pytest
 import torch
 
 from tests.helpers import in_double
-from tests.serving.test_engine import char_tokenizer
 
 from .helpers import (
     TIMEOUT,
     assert_answers_within_float_noise,
     assert_sequence_scores_within_float_noise,
-    build_app,
     new_tokens,
     openai_client,
     reference,
-    save_checkpoint,
-    serving,
+    tiny_server,
 )
 
 CAPACITIES = {"max_batch_size": 8, "max_cache_len": 40, "max_encoder_len": 32}
@@ -36,10 +33,8 @@ SOURCES = ["helloWorld42", "abcXYZ", "theQuickFox9"]
 @pytest.fixture(scope="module", params=["t5", "bart", "marian"])
 def server(request, tmp_path_factory):
     """`(base_url, upstream model, tokenizer)` of a server on the tiny translation model."""
-    folder = tmp_path_factory.mktemp(request.param)
-    upstream = save_checkpoint(request.param, folder)
-    with serving(build_app(folder, cache_config=CAPACITIES)) as base_url:
-        yield base_url, upstream, char_tokenizer()
+    with tiny_server(request.param, tmp_path_factory, cache_config=CAPACITIES) as served:
+        yield served
 
 
 def create(base_url: str, **kwargs):

@@ -23,24 +23,12 @@ Usage: python upstream/check_request.py [--models t5,bart,...] [--attn eager,sdp
 """
 
 import argparse
-import importlib.abc
-import os
 import sys
 import warnings
 
+import upstream_only  # upstream/upstream_only.py, beside this script
 
-class _RefuseFlexcache(importlib.abc.MetaPathFinder):
-    """The check is about upstream alone: importing this package's code would invalidate it."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("transformers_flexcache", "model_overrides"):
-            raise ImportError(f"{name} imported during the upstream check; run it without transformers-flexcache")
-        return None
-
-
-# Off the path too: an editable install puts this repository's root on it
-sys.path[:] = [entry for entry in sys.path if not os.path.isdir(os.path.join(entry or ".", "transformers_flexcache"))]
-sys.meta_path.insert(0, _RefuseFlexcache())
+upstream_only.refuse_flexcache()
 
 import torch  # noqa: E402
 import torch._dynamo.testing  # noqa: E402

@@ -31,12 +31,13 @@ How a request becomes one engine request (docs/serving.md lists every OpenAI fie
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import time
 from typing import Annotated
 
 import torch
-from fastapi import APIRouter, File, Form, Request, UploadFile
+from fastapi import APIRouter, Depends, File, Form, Request, UploadFile
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
@@ -55,60 +56,58 @@ WORD_TIMESTAMPS = (
     "engine's batched steps neither return one request's attention weights nor may switch the model's attention "
     "under the other requests; pass timestamp_granularities[]=segment"
 )
-# Form fields beyond OpenAI's, under upstream generate's names (vLLM-style extra fields).
-EXTRA_FIELDS = (
-    "fallback_temperatures",
-    "compression_ratio_threshold",
-    "logprob_threshold",
-    "no_speech_threshold",
-    "condition_on_prev_tokens",
-    "seed",
-)
 router = APIRouter()
+
+
+async def _audio_form(
+    file: Annotated[UploadFile, File()],
+    model: Annotated[str | None, Form()] = None,
+    prompt: Annotated[str | None, Form()] = None,
+    response_format: Annotated[str, Form()] = "json",
+    temperature: Annotated[float, Form(ge=0, le=1)] = 0.0,
+    # beyond OpenAI's fields: upstream generate's, under its names (vLLM-style extra fields)
+    fallback_temperatures: Annotated[str | None, Form()] = None,
+    compression_ratio_threshold: Annotated[float | None, Form(gt=0)] = None,
+    logprob_threshold: Annotated[float | None, Form()] = None,
+    no_speech_threshold: Annotated[float | None, Form(ge=0, le=1)] = None,
+    condition_on_prev_tokens: Annotated[bool | None, Form()] = None,
+    seed: Annotated[int | None, Form(ge=-(2**63), le=2**64 - 1)] = None,
+) -> dict:
+    """The form fields both routes take, parsed and checked by FastAPI (a bad value is a 400 naming its field)."""
+    return dict(locals())
+
+
+AudioForm = Annotated[dict, Depends(_audio_form)]
+SHARED_FIELDS = frozenset(inspect.signature(_audio_form).parameters)
+# A transcription's own fields (form names) with what a translation, which takes none of them, runs with.
+TRANSCRIPTION_ONLY = {
+    "language": None,
+    "stream": False,
+    "timestamp_granularities[]": None,
+    "include[]": None,
+    "chunking_strategy": None,
+}
 
 
 @router.post(TRANSCRIPTIONS)
 async def create_transcription(
     request: Request,
-    file: Annotated[UploadFile, File()],
-    model: Annotated[str | None, Form()] = None,
+    form: AudioForm,
     language: Annotated[str | None, Form()] = None,
-    prompt: Annotated[str | None, Form()] = None,
-    response_format: Annotated[str, Form()] = "json",
-    temperature: Annotated[float, Form(ge=0, le=1)] = 0.0,
     stream: Annotated[bool, Form()] = False,
     timestamp_granularities: Annotated[list[str] | None, Form(alias="timestamp_granularities[]")] = None,
     include: Annotated[list[str] | None, Form(alias="include[]")] = None,
     chunking_strategy: Annotated[str | None, Form()] = None,
-    fallback_temperatures: Annotated[str | None, Form()] = None,
-    compression_ratio_threshold: Annotated[float | None, Form(gt=0)] = None,
-    logprob_threshold: Annotated[float | None, Form()] = None,
-    no_speech_threshold: Annotated[float | None, Form(ge=0, le=1)] = None,
-    condition_on_prev_tokens: Annotated[bool | None, Form()] = None,
-    seed: Annotated[int | None, Form(ge=-(2**63), le=2**64 - 1)] = None,
 ):
-    fields = dict(locals())
-    return await _serve(request, route=TRANSCRIPTIONS, task="transcribe", fields=fields)
+    own = dict(locals())  # this route's own fields
+    del own["request"], own["form"]
+    return await _serve(request, route=TRANSCRIPTIONS, task="transcribe", fields={**form, **own})
 
 
 @router.post(TRANSLATIONS)
-async def create_translation(
-    request: Request,
-    file: Annotated[UploadFile, File()],
-    model: Annotated[str | None, Form()] = None,
-    prompt: Annotated[str | None, Form()] = None,
-    response_format: Annotated[str, Form()] = "json",
-    temperature: Annotated[float, Form(ge=0, le=1)] = 0.0,
-    fallback_temperatures: Annotated[str | None, Form()] = None,
-    compression_ratio_threshold: Annotated[float | None, Form(gt=0)] = None,
-    logprob_threshold: Annotated[float | None, Form()] = None,
-    no_speech_threshold: Annotated[float | None, Form(ge=0, le=1)] = None,
-    condition_on_prev_tokens: Annotated[bool | None, Form()] = None,
-    seed: Annotated[int | None, Form(ge=-(2**63), le=2**64 - 1)] = None,
-):
-    fields = dict(locals(), language=None, stream=False, timestamp_granularities=None, include=None)
-    fields["chunking_strategy"] = None
-    return await _serve(request, route=TRANSLATIONS, task="translate", fields=fields)
+async def create_translation(request: Request, form: AudioForm):
+    defaults = {name.removesuffix("[]"): value for name, value in TRANSCRIPTION_ONLY.items()}
+    return await _serve(request, route=TRANSLATIONS, task="translate", fields={**form, **defaults})
 
 
 # --- the request --------------------------------------------------------------------------------------------------
@@ -145,9 +144,7 @@ async def _serve(request: Request, *, route: str, task: str, fields: dict):
 
 async def _refuse_unknown_fields(request: Request, route: str) -> None:
     """Refuse a form field this route does not take, as OpenAI's API does: a misspelt one is never ignored."""
-    known = {"file", "model", "prompt", "response_format", "temperature", *EXTRA_FIELDS}
-    if route == TRANSCRIPTIONS:
-        known |= {"language", "stream", "timestamp_granularities[]", "include[]", "chunking_strategy"}
+    known = SHARED_FIELDS | (TRANSCRIPTION_ONLY.keys() if route == TRANSCRIPTIONS else set())
     unknown = sorted(set((await request.form()).keys()) - known)
     if unknown:
         raise APIError(

@@ -41,18 +41,37 @@ def test_torch_still_has_the_private_name_with_the_arguments_we_pass(name):
 
 
 def test_every_private_torch_name_in_the_package_has_an_entry():
-    unlisted = {
-        name: places[:3]
-        for name, places in USES.items()
-        if torch_drift.entry_for(name) is None and not torch_drift.is_public_op(name)
-    }
+    unlisted = torch_drift.unlisted(USES)
     assert not unlisted, f"add these to TORCH_NAMES (utils/torch_drift.py), with what they are for: {unlisted}"
+
+
+def test_a_private_name_without_an_entry_is_unlisted_even_beside_listed_ones(tmp_path):
+    source = tmp_path / "module.py"
+    source.write_text(
+        "import torch\n"
+        "from torch._guards import CompileContext\n"
+        "from torch._dynamo.utils import compilation_time_metrics\n"
+        "a = CompileContext.current_compile_id()\n"  # listed
+        "b = CompileContext.try_get()\n"  # an attribute of a listed class: no entry of its own
+        "c = compilation_time_metrics.get('x')\n"  # a dict's method: covered by the dict's entry
+        "d = compilation_time_metrics._private\n"
+        "e = torch.ops.mkl._mkl_linear(1)\n"  # the packet of a listed overload
+        "f = getattr(torch._dynamo.eval_frame, '_not_listed', None)\n"
+    )
+    found = torch_drift.unlisted(torch_drift.find_private_uses([str(source)]))
+    assert set(found) == {
+        "torch._guards.CompileContext.try_get",
+        "torch._dynamo.utils.compilation_time_metrics._private",
+        "torch._dynamo.eval_frame._not_listed",
+    }
 
 
 def test_every_entry_is_still_used_by_the_package():
     # Config options are passed as keywords or option keys, which the scan does not see: the next test checks them.
     # A stamp is spelled as a string: its attribute names must appear in the package's sources.
-    used = {torch_drift.entry_for(name) for name in USES}
+    # An entry that a used entry extends is used on the way (`....default` of `....default._op`).
+    covering = {torch_drift.entry_for(name) for name in USES} - {None}
+    used = covering | {name for name in TORCH_NAMES if any(entry.startswith(name + ".") for entry in covering)}
     sources = "".join(open(path, encoding="utf-8").read() for path in torch_drift._source_files())
     stale = [
         name
@@ -72,11 +91,15 @@ def test_every_inductor_option_that_compile_config_for_cpu_passes_has_an_entry()
             for attention in ("inductor", "library"):
                 config = compile_config_for_cpu(linear_kernels=kernels, int8_linears=int8, decode_attention=attention)
                 options |= set(config.options)
-    listed = {name.rpartition(".")[2] for name in TORCH_NAMES if name.startswith("torch._inductor.config.")}
+    listed = {
+        name.removeprefix("torch._inductor.config.")
+        for name in TORCH_NAMES
+        if name.startswith("torch._inductor.config.")
+    }
     assert options <= listed, f"inductor options without an entry in TORCH_NAMES: {sorted(options - listed)}"
 
 
-def test_the_scan_finds_private_names_through_aliases_and_from_imports(tmp_path):
+def test_the_scan_finds_private_names_through_aliases_imports_and_getattr(tmp_path):
     source = tmp_path / "module.py"
     source.write_text(
         "import torch\n"
@@ -86,6 +109,13 @@ def test_the_scan_finds_private_names_through_aliases_and_from_imports(tmp_path)
         "y = torch._dynamo.config.recompile_limit\n"
         "z = torch.ops.aten.add.Tensor\n"
         "w = torch.nn.functional.pad\n"
+        "import torch._inductor.config as inductor_config\n"
+        "v = inductor_config.patch\n"
+        "u = getattr(torch._dynamo.eval_frame, '_stance', None)\n"
+        "from unittest import mock\n"
+        "from torch._inductor.codegen.cpp import CppScheduling\n"
+        "t = mock.patch.object(CppScheduling, 'MAX_FUSED_KERNEL_ARGS_NUM', 0)\n"
+        "s = hasattr(torch.cpu, 'get_capabilities')\n"
     )
     found = torch_drift.find_private_uses([str(source)])
     assert set(found) == {
@@ -93,6 +123,9 @@ def test_the_scan_finds_private_names_through_aliases_and_from_imports(tmp_path)
         "torch.ops.aten._int_mm.default",
         "torch._dynamo.config.recompile_limit",
         "torch.ops.aten.add.Tensor",
+        "torch._inductor.config.patch",
+        "torch._dynamo.eval_frame._stance",
+        "torch._inductor.codegen.cpp.CppScheduling.MAX_FUSED_KERNEL_ARGS_NUM",
     }
     assert torch_drift.is_public_op("torch.ops.aten.add.Tensor")
     assert not torch_drift.is_public_op("torch.ops.aten._int_mm.default")
@@ -114,6 +147,12 @@ def test_the_scan_finds_private_names_through_aliases_and_from_imports(tmp_path)
             "has no option 'freezing'",
         ),
         (
+            "torch._inductor.config.cpp.enable_kernel_profile",
+            TorchName("config", "test"),
+            lambda monkeypatch: monkeypatch.delitem(torch._inductor.config._config, "cpp.enable_kernel_profile"),
+            "has no option 'cpp.enable_kernel_profile'",
+        ),
+        (
             "torch._guards.detect_fake_mode",
             TorchName("object", "test", ("inputs",)),
             lambda monkeypatch: monkeypatch.setattr(torch._guards, "detect_fake_mode", lambda values=None: None),
@@ -126,7 +165,7 @@ def test_the_scan_finds_private_names_through_aliases_and_from_imports(tmp_path)
             "ours assume",
         ),
     ],
-    ids=["renamed-attribute", "renamed-config-option", "renamed-parameter", "changed-schema"],
+    ids=["renamed-attribute", "renamed-config-option", "renamed-nested-option", "renamed-parameter", "changed-schema"],
 )
 def test_the_guard_fails_on_a_renamed_name(monkeypatch, name, entry, breaks, message):
     import torch._inductor.config  # noqa: F401

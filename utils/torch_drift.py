@@ -13,9 +13,17 @@ Kinds of entry:
   parameter names its signature must have.
 - `"op"`: an operator overload (`torch.ops.mkldnn._linear_pointwise.default`); `args`, where given, are its schema's
   argument names, in order (the positional calls in our graph passes depend on it).
-- `"config"`: an option of a config module (`torch._inductor.config.freezing`, passed in `compile_config.options`).
-- `"stamp"`: an attribute that torch sets on tensors and our code reads or removes by its name, listed under the
-  function of torch that sets it; `args` are the attribute names that function's source must still spell.
+- `"config"`: an option of a config module (`torch._inductor.config.freezing`, passed in `compile_config.options`;
+  `torch._inductor.config.cpp.enable_kernel_profile`, an option of a nested class).
+- `"stamp"`: a name that torch sets (an attribute on tensors, a key of its metrics) and our code reads or removes by
+  its string, listed under the function of torch that sets it; `args` are the strings that function's source must
+  still spell.
+
+What the scan sees: attribute chains from `torch` (also through `import torch._x as y`, `from torch._x import y` and
+an alias of `torch.ops.<namespace>`), and the attribute that `getattr`, `hasattr`, `setattr`, `delattr` or
+`mock.patch.object` names by a literal string. A found name is covered by its own entry only (`entry_for`): an
+attribute of a listed object needs an entry of its own (it can be renamed alone), except the methods of a plain
+Python value (a dict's `get`); an operator packet (`torch.ops.mkl._mkl_linear`) is covered by its listed overload.
 """
 
 from __future__ import annotations
@@ -32,6 +40,9 @@ from dataclasses import dataclass
 PACKAGES = ("transformers_flexcache", "model_overrides")
 # The torch minors on which every entry below was checked (tests/test_torch_drift.py, run on each): the supported
 # window of setup.cfg. torch 2.15.0 renamed or removed none of them (all 47 present, with the arguments we pass).
+# Checked on 2.13 only so far (added when the scan stopped counting an attribute of a listed name as listed): the
+# entries of CompileContext.current_compile_id, CppScheduling.MAX_FUSED_KERNEL_ARGS_NUM, cpp.enable_kernel_profile,
+# convert_frame._compile's "_compile.compile_inner" and the FBGEMM overload's `_op`; re-run on 2.14 and 2.15.
 CHECKED_TORCH = ("2.13", "2.14", "2.15")
 
 
@@ -88,8 +99,15 @@ TORCH_NAMES: dict[str, TorchName] = {
     ),
     "torch._dynamo.utils.counters": TorchName("object", "the bench counts graphs compiled"),
     "torch._dynamo.utils.compilation_time_metrics": TorchName("object", "the bench's compile seconds"),
+    "torch._dynamo.convert_frame._compile": TorchName(
+        "stamp",
+        "times each frame's compile under the key that runtime.compile_seconds() sums in compilation_time_metrics",
+        ("_compile.compile_inner",),
+    ),
     "torch._guards.detect_fake_mode": TorchName("object", f"fake values of new nodes in {_PASSES}", ("inputs",)),
-    "torch._guards.CompileContext": TorchName("object", "gc_heap tells collections during a compile apart"),
+    "torch._guards.CompileContext.current_compile_id": TorchName(
+        "object", "gc_heap tells collections during a compile apart (the id is None outside one)"
+    ),
     "torch._check": TorchName("object", "shape facts for the compiled encoder's dynamic dimensions", ("cond",)),
     "torch.fx.experimental._config.use_duck_shape": TorchName(
         "config", "the compiled encoder keeps rows and positions distinct symbols"
@@ -104,10 +122,12 @@ TORCH_NAMES: dict[str, TorchName] = {
     "torch._inductor.config.post_grad_custom_post_pass": TorchName(
         "config", "OneRowLinears, Int8DotExpansion, OneQueryAttention after freezing"
     ),
-    "torch._inductor.codegen.cpp.CppScheduling": TorchName(
+    "torch._inductor.codegen.cpp.CppScheduling.MAX_FUSED_KERNEL_ARGS_NUM": TorchName(
         "object",
-        "bench-profile ends a C++ function after each fused group (its MAX_FUSED_KERNEL_ARGS_NUM at 0, "
-        "runtime.kernel_profile_compile), with cpp.enable_kernel_profile",
+        "bench-profile sets it to 0 to end a C++ function after each fused group (runtime.kernel_profile_compile)",
+    ),
+    "torch._inductor.config.cpp.enable_kernel_profile": TorchName(
+        "config", "bench-profile records each C++ kernel in torch's profiler (runtime.kernel_profile_compile)"
     ),
     "torch._inductor.config.patch": TorchName("object", "trace-time inductor settings (padding.compile_settings)"),
     "torch._inductor.custom_graph_pass.CustomGraphPass": TorchName("object", f"the base class of {_PASSES}"),
@@ -187,6 +207,11 @@ TORCH_NAMES: dict[str, TorchName] = {
     "torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32.default": TorchName(
         "op", "FBGEMM's int8 GEMM that int8_fbgemm_mm calls", ("X", "X_scale", "X_zero_point", "W_prepack")
     ),
+    "torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32.default._op": TorchName(
+        "object",
+        "int8_fbgemm_mm calls FBGEMM's linear past the overload's Python __call__ (int8_linears._fbgemm_linear; "
+        "without it, through the overload: slower at one row)",
+    ),
     # --- other private functions
     "torch._int_mm": TorchName("object", "int8_dot_products' eager kernel"),
     "torch._make_per_tensor_quantized_tensor": TorchName("object", "int8 weights as qint8 for FBGEMM"),
@@ -221,11 +246,19 @@ def resolve(name: str):
     raise ImportError(f"no module of {name!r} can be imported")
 
 
+def _config_module(name: str) -> tuple[str, str]:
+    """`(config module, option)` of a config entry: the module is the last `config` or `_config` part, and the option
+    may be nested (`torch._inductor.config` and `cpp.enable_kernel_profile`)."""
+    parts = name.split(".")
+    last = max((i for i, part in enumerate(parts[:-1]) if part in ("config", "_config")), default=len(parts) - 2)
+    return ".".join(parts[: last + 1]), ".".join(parts[last + 1 :])
+
+
 def problem(name: str, entry: TorchName) -> str | None:
     """What is wrong with `name` on the installed torch (missing, or without the arguments we pass), or None."""
     try:
         if entry.kind == "config":
-            module, _, option = name.rpartition(".")
+            module, option = _config_module(name)
             config = importlib.import_module(module)
             if option not in getattr(config, "_config", {}) and not hasattr(config, option):
                 return f"{module} has no option {option!r}"
@@ -287,10 +320,28 @@ def _dotted(node: ast.AST) -> str | None:
     return None
 
 
+# calls that name an attribute of their first argument by a literal string (`getattr(torch._x, "_y", None)`)
+_ATTRIBUTE_CALLS = ("getattr", "hasattr", "setattr", "delattr", "patch.object")
+
+
+def _named_attribute(node: ast.AST) -> str | None:
+    """`X.name` of a call that names an attribute by a literal (`_ATTRIBUTE_CALLS`), with X an attribute chain."""
+    if not isinstance(node, ast.Call) or len(node.args) < 2:
+        return None
+    function, (target, attribute) = _dotted(node.func), node.args[:2]
+    if function is None or not any(function == call or function.endswith("." + call) for call in _ATTRIBUTE_CALLS):
+        return None
+    if not (isinstance(attribute, ast.Constant) and isinstance(attribute.value, str)):
+        return None
+    dotted = _dotted(target)
+    return f"{dotted}.{attribute.value}" if dotted else None
+
+
 def find_private_uses(files: list[str] | None = None) -> dict[str, list[str]]:
     """`{torch name: ["file:line", ...]}` for every private torch name that our sources spell out: attribute chains
-    from `torch` with a private part or through `torch.ops`, also through a local alias of `torch.ops.<namespace>` or
-    of a name imported from a private torch module, and `from torch._x import y`. The longest chain is reported."""
+    from `torch` with a private part or through `torch.ops`, also through a local alias of `torch.ops.<namespace>`, of
+    a private torch module (`import torch._x as y`) or of a name imported from one, `from torch._x import y`, and the
+    attributes that `getattr` and its kind name by a literal string. The longest chain is reported."""
     found: dict[str, list[str]] = {}
     for path in files if files is not None else _source_files():
         with open(path) as f:
@@ -303,6 +354,12 @@ def find_private_uses(files: list[str] | None = None) -> dict[str, list[str]]:
                     aliases[alias.asname or alias.name] = full
                     if _PRIVATE.search(full):
                         found.setdefault(full, []).append(f"{path}:{node.lineno}")
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.asname and alias.name.startswith("torch."):
+                        aliases[alias.asname] = alias.name
+                        if _PRIVATE.search(alias.name):
+                            found.setdefault(alias.name, []).append(f"{path}:{node.lineno}")
             elif isinstance(node, ast.Assign):
                 targets = node.targets[0].elts if isinstance(node.targets[0], ast.Tuple) else node.targets
                 values = node.value.elts if isinstance(node.value, ast.Tuple) else [node.value]
@@ -311,9 +368,7 @@ def find_private_uses(files: list[str] | None = None) -> dict[str, list[str]]:
                     if isinstance(target, ast.Name) and dotted and dotted.startswith("torch.ops."):
                         aliases[target.id] = dotted
         for node in ast.walk(tree):
-            if not isinstance(node, ast.Attribute):
-                continue
-            dotted = _dotted(node)
+            dotted = _dotted(node) if isinstance(node, ast.Attribute) else _named_attribute(node)
             if dotted is None:
                 continue
             head, _, rest = dotted.partition(".")
@@ -333,15 +388,31 @@ def find_private_uses(files: list[str] | None = None) -> dict[str, list[str]]:
 
 
 def entry_for(name: str) -> str | None:
-    """The entry of `TORCH_NAMES` that covers a found `name`: itself, or the entry it is an overload or attribute
-    chain of (`torch.ops.mkl._mkl_linear` is covered by `torch.ops.mkl._mkl_linear.default`, and
-    `torch.ops.aten.add.Tensor` by nothing: public aten ops need no entry)."""
+    """The entry of `TORCH_NAMES` that covers a found `name`: itself; for an operator packet, its listed overload
+    (`torch.ops.mkl._mkl_linear` is covered by `torch.ops.mkl._mkl_linear.default`); for a method of an entry that is a
+    plain Python value, that entry (`compilation_time_metrics.get`, a dict's). Nothing else: an attribute of a listed
+    module or class can be renamed alone and needs its own entry (`torch.ops.aten.add.Tensor` and other public aten
+    ops need none: `is_public_op`)."""
     if name in TORCH_NAMES:
         return name
-    for entry in TORCH_NAMES:
-        if entry.startswith(name + ".") or name.startswith(entry + "."):
-            return entry
+    if name.startswith("torch.ops."):
+        overloads = [entry for entry in TORCH_NAMES if entry.rpartition(".")[0] == name]
+        if overloads:
+            return overloads[0]
+    owner, _, attribute = name.rpartition(".")
+    if owner in TORCH_NAMES and TORCH_NAMES[owner].kind == "object" and not attribute.startswith("_"):
+        try:
+            value = resolve(owner)
+        except (ImportError, AttributeError, RuntimeError):
+            return None
+        if type(value).__module__ == "builtins" and hasattr(type(value), attribute):
+            return owner
     return None
+
+
+def unlisted(uses: dict[str, list[str]]) -> dict[str, list[str]]:
+    """The found private names (`find_private_uses`) that no entry covers, with up to three places each."""
+    return {name: places[:3] for name, places in uses.items() if entry_for(name) is None and not is_public_op(name)}
 
 
 def is_public_op(name: str) -> bool:

@@ -9,10 +9,9 @@ PYTHONPATH, with this package off the path and refused at import: about 45 s her
 `-m slow`, `upstream/check.sh` runs everything in a temporary venv: the series' own tests and the compiled decode step
 too (about 5 minutes here), and `upstream/check_family.py` runs on the patched source: every encoder-decoder model type
 of 5.25.0's auto mappings, eager and sdpa, a second shorter `generate(cache_implementation="static")` and one user-built
-cache serving batch 1-4 and shorter encoder inputs, against DynamicCache (about 3 minutes here). That test is a strict
-xfail while the family does not pass: with the v2 series 66 of 69 (model, attention) pairs pass the user-cache check,
-T5Gemma and T5Gemma2 not yet (their `_prepare_cache_for_generation` replaces a user's cross cache); it must become a
-plain test once they do.
+cache serving batch 1-4 and shorter encoder inputs, against DynamicCache (about 3 minutes here): with the v2 series all
+69 (model, attention) pairs pass both checks (T5Gemma and T5Gemma2 since PR 5 keeps the capacity of the cross cache
+their `_prepare_cache_for_generation` replaces).
 
 The series' own tests are in its patches (each PR's tests/ hunks, run fail-before/pass-after by
 `upstream/check_tree.py` on a reference tree); the out-of-tree `upstream/tests/test_static_cache_series.py` of v1 was
@@ -92,12 +91,6 @@ def test_patched_transformers_serves_the_original_request_without_this_package(p
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 54: with the v2 series, one user cache does not yet serve T5Gemma and T5Gemma2 at a batch larger "
-    "than the call before (their _prepare_cache_for_generation replaces the user's cross cache by one without "
-    "max_batch_size); remove this marker when check_family.py passes",
-)
 def test_patched_transformers_serves_the_encoder_decoder_family_without_this_package(patched_tree, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(patched_tree / "src"), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(

@@ -25,6 +25,7 @@ import logging
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -122,6 +123,67 @@ def assert_int8_scores(expected, actual, atol: float) -> None:
         if not agreeing:
             return
     assert new == new_actual, f"{new_actual} steps against the reference's {new}, with rows {agreeing} agreeing"
+
+
+def _generated(sequences: list, scores: list) -> SimpleNamespace:
+    """A greedy generate output of `sequences` (prompt and new tokens) with each new step's `scores`."""
+    return SimpleNamespace(sequences=torch.tensor(sequences), scores=tuple(map(torch.tensor, scores)))
+
+
+# eager int8's two rows of a one-token prompt and two new tokens over a vocabulary of 3
+EAGER = _generated([[0, 1, 2], [0, 2, 2]], [[[0.0, 1.0, 0.5], [0.0, 0.2, 1.0]], [[0.0, 0.0, 1.0], [0.0, 0.0, 1.0]]])
+
+
+@pytest.mark.parametrize(
+    ("sequences", "scores", "atol", "failure"),
+    [
+        # every score within 0.1: holds
+        (
+            [[0, 1, 2], [0, 2, 2]],
+            [[[0.05, 1.0, 0.5], [0.0, 0.25, 1.0]], [[0.0, 0.05, 1.0], [0.0, 0.0, 0.95]]],
+            0.1,
+            None,
+        ),
+        # a score 0.2 away
+        (
+            [[0, 1, 2], [0, 2, 2]],
+            [[[0.0, 1.0, 0.5], [0.0, 0.2, 1.0]], [[0.0, 0.0, 1.0], [0.2, 0.0, 1.0]]],
+            0.1,
+            "step 1, row 1: scores differ by 0.2",
+        ),
+        # row 0 parts at step 0 where eager's token leads by 0.5 (within 2 x 0.3), scores within 0.3: row 0 is not
+        # compared after it, row 1 is
+        (
+            [[0, 2, 0], [0, 2, 2]],
+            [[[0.0, 0.75, 0.76], [0.0, 0.2, 1.0]], [[9.0, 0.0, 0.0], [0.0, 0.0, 1.0]]],
+            0.3,
+            None,
+        ),
+        (
+            [[0, 2, 0], [0, 2, 0]],
+            [[[0.0, 0.75, 0.76], [0.0, 0.2, 1.0]], [[9.0, 0.0, 0.0], [9.0, 0.0, 1.0]]],
+            0.3,
+            "step 1, row 1: scores differ by 9",
+        ),
+        # a token taken where eager's leads by 0.5 and scores are equal: beyond what the tolerance lets part
+        (
+            [[0, 2, 2], [0, 2, 2]],
+            [[[0.0, 1.0, 0.5], [0.0, 0.2, 1.0]], [[0.0, 0.0, 1.0], [0.0, 0.0, 1.0]]],
+            0.1,
+            "leads",
+        ),
+        # one step fewer, with no row parted
+        ([[0, 1], [0, 2]], [[[0.0, 1.0, 0.5], [0.0, 0.2, 1.0]]], 0.1, "1 steps against the reference's 2"),
+    ],
+    ids=["within", "beyond", "parted-at-a-near-tie", "beyond-in-the-other-row", "parted-at-a-wide-margin", "shorter"],
+)
+def test_the_int8_comparison_holds_what_it_states_and_fails_otherwise(sequences, scores, atol, failure):
+    actual = _generated(sequences, scores)
+    if failure is None:
+        assert_int8_scores(EAGER, actual, atol)
+    else:
+        with pytest.raises(AssertionError, match=failure):
+            assert_int8_scores(EAGER, actual, atol)
 
 
 @pytest.fixture(autouse=True)

@@ -14,15 +14,22 @@ import os
 import shutil
 import tempfile
 
+from transformers_flexcache.log import quiet_dependencies
+
+# torchao's import-time lines (its CUDA kernel libraries, pytree's deprecation of its enums) go through torch's own
+# log handler, which writes past pytest's capture, between the progress dots: dropped as the commands drop them, from
+# this file's import on. pytest loads the conftest files of the paths it is given (tests/export/conftest.py imports
+# the package's commands, and with them torchao) before any pytest_configure, and prints what they wrote after its
+# summary: in pytest_configure the filters came too late for them (torch 2.15, `@tests/release_subset.txt`).
+_QUIET = contextlib.ExitStack()
+_QUIET.enter_context(quiet_dependencies())
+
+
+def pytest_unconfigure(config):
+    _QUIET.close()
+
 
 def pytest_configure(config):
-    # torchao's import-time lines (its CUDA kernel libraries, pytree's deprecation of its enums) go through torch's
-    # own log handler, which writes past pytest's capture, between the progress dots: drop them as the commands do.
-    from transformers_flexcache.log import quiet_dependencies
-
-    quiet = contextlib.ExitStack()
-    quiet.enter_context(quiet_dependencies())
-    config.add_cleanup(quiet.close)
     cache_home = tempfile.mkdtemp(prefix="flexcache-tests-cache-")
     os.environ["XDG_CACHE_HOME"] = cache_home
     config.add_cleanup(lambda: shutil.rmtree(cache_home, ignore_errors=True))

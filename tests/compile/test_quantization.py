@@ -13,8 +13,9 @@ times it, up to the step where a row's tokens part, and tokens may part only at 
 (`assert_int8_scores`): no tolerance here is tuned to one CPU (issue 46).
 
 Every CPU-dependent route runs on every machine that can run it: the CPU's answers are forced (`compile.cpu.forced`) where a
-route is right on any CPU (7-bit weights through oneDNN's, FBGEMM's or inductor's kernels), and the 8-bit route
-through oneDNN's kernels runs where the CPU has VNNI, and says which CPU it skipped on elsewhere.
+route is right on any CPU (7-bit weights through oneDNN's, FBGEMM's or inductor's kernels), and the 8-bit routes
+through FBGEMM's and oneDNN's kernels run where the CPU has VNNI, and say which CPU they skipped on elsewhere; under
+-m slow the 7-bit route runs again in a child process capped at AVX2, where FBGEMM's AVX2 kernels run.
 """
 
 from __future__ import annotations

@@ -149,9 +149,9 @@ def test_fbgemm_int8_linears_are_marked_before_freezing_with_dot_products_for_fe
     ("facts", "fbgemm", "expected"),
     [
         ({"vnni": False}, True, "fbgemm"),
-        ({"vnni": True}, True, "fbgemm"),
+        ({"vnni": True, "amx": False}, True, "fbgemm"),  # amx=False: forcing VNNI leaves an AMX CPU's AMX
         ({"amx": True}, True, "library"),
-        ({"vnni": True}, False, "library"),
+        ({"vnni": True, "amx": False}, False, "library"),
         ({"vnni": False}, False, "inductor"),
     ],
     ids=["no-vnni", "vnni", "amx", "vnni-without-fbgemm", "neither"],

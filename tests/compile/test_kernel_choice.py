@@ -61,6 +61,28 @@ def test_a_challenger_must_beat_the_rule_by_the_margin(table_dir, monkeypatch):
     assert entry["rule"] == "onednn" and entry["choice"] == "onednn"
 
 
+def test_a_challenger_ahead_by_its_median_but_not_in_most_rounds_does_not_win(table_dir, monkeypatch):
+    def fake_runners(rows, k, n, candidates):
+        return {name: (lambda: None) for name in candidates if name != "inductor"}
+
+    monkeypatch.setattr(kernel_choice, "_runners", fake_runners)
+    rounds = 5
+    # (onednn, mkl) per round: mkl's median 0.5 ms against 1.0, but ahead in 3 rounds of 5 only (a loaded machine)
+    pairs = [(1.0, 0.5), (1.0, 0.5), (1.0, 0.5), (1.0, 3.0), (1.0, 3.0)]
+    values = [v for a, b in pairs for v in (0.0, a * 1e-3, 0.0, b * 1e-3)]
+    times = iter(values)
+    with forced(vendor="AuthenticAMD"):
+        monkeypatch.setattr(kernel_choice.time, "perf_counter", lambda: next(times))
+        entry = kernel_choice.measure(2, 8, 8, rounds=rounds, calls=1)
+    assert entry["ms"]["mkl"] < 0.6 * entry["ms"]["onednn"] and entry["rounds_won"] == 3
+    assert entry["choice"] == "onednn"
+    # ahead in every round: it wins
+    times = iter([v for _ in range(rounds) for v in (0.0, 1.0e-3, 0.0, 0.5e-3)])
+    with forced(vendor="AuthenticAMD"):
+        entry = kernel_choice.measure(2, 8, 8, rounds=rounds, calls=1)
+    assert entry["choice"] == "mkl"
+
+
 def write_table(entries: dict) -> None:
     """This CPU's table holding `{(rows, k, n): choice}` (as measuring would have left it)."""
     path = kernel_choice.table_path()

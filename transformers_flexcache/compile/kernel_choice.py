@@ -29,7 +29,8 @@ Design decisions:
   `TRANSFORMERS_FLEXCACHE_KERNEL_CHOICES` or `default_cache_dir()/../kernel-choices`); its graphs hold the kernels
   already, so an artifact that carries the table does so for a later compile of shapes it lacks, keyed by
   `table_digest()`.
-- A candidate only wins by a margin (`MARGIN`): within it the incumbent (the vendor rule) stays, so that noise does
+- A candidate only wins by a margin (`MARGIN`) and in most rounds (`ROUNDS_WON`, each round running every candidate
+  in turn): otherwise the incumbent (the vendor rule) stays, so that noise does
   not flip a choice from run to run.
 """
 
@@ -47,6 +48,7 @@ from pathlib import Path
 import torch
 
 MARGIN = 0.05  # a challenger must be 5% faster than the rule's kernel
+ROUNDS_WON = 0.8  # ... and faster in this share of the rounds (paired: each round runs every candidate in turn)
 CANDIDATES_MANY = ("onednn", "mkl")
 CANDIDATES_ONE = ("inductor", "onednn", "mkl")
 _LOCK = threading.Lock()
@@ -191,8 +193,12 @@ def measure(rows: int, k: int, n: int, *, rounds: int = 7, calls: int = 8) -> di
     ms = {name: 1e3 * statistics.median(values) for name, values in times.items()}
     rule = _rule(rows) if _rule(rows) in ms else min(ms, key=ms.get)
     best = min(ms, key=ms.get)
-    chosen = best if ms[best] < (1 - MARGIN) * ms[rule] else rule
-    return {"choice": chosen, "ms": ms, "rule": rule}
+    # paired by round (the candidates ran one after the other in each): the challenger must be ahead in most rounds
+    # too, not only by its median; on a loaded machine a median alone flipped from shape to shape
+    wins = sum(b < r for b, r in zip(times[best], times[rule], strict=True))
+    steady = wins >= ROUNDS_WON * len(times[rule])
+    chosen = best if ms[best] < (1 - MARGIN) * ms[rule] and steady else rule
+    return {"choice": chosen, "ms": ms, "rule": rule, "rounds_won": wins, "rounds": len(times[rule])}
 
 
 def measure_linears(shapes, rows_list, *, log=None) -> dict:

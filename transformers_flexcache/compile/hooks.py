@@ -8,8 +8,9 @@ a call is not compiled each answer is the default one, upstream's behaviour:
 - `encode_padded_call`: a fixed-shape encoder-decoder call's encoder runs compiled, with dynamic shapes, at the call's
   own rows (`encoder.compiles_encoder`, `encoder.encode_compiled`).
 - `first_step`: its first decoder step runs in the compiled decode graph (`encoder.first_step_compiles`).
-- `compiled_call`: the compiled forward checks dynamo's guards in full at the call's first step only
-  (`GuardsOfFirstStep`, `FlexCompileConfig(step_guards="first")`).
+- `compiled_call`: this CPU's fp32 linear kernels measured for the call's padded rows where not yet measured
+  (`kernel_choice.prepare`, before its decode graph compiles); the compiled forward checks dynamo's guards in full at
+  the call's first step only (`GuardsOfFirstStep`, `FlexCompileConfig(step_guards="first")`).
 - `cache_leased`: a fixed-shape cache on an accelerator gets static addresses for CUDA graphs
   (`mark_static_addresses`).
 """
@@ -19,6 +20,8 @@ from __future__ import annotations
 import torch
 
 from ..generate.hooks import GenerateHooks
+from ..generate.plan import rows_per_input
+from . import kernel_choice
 from .config import compile_settings
 from .encoder import compiles_encoder, encode_compiled, first_step_compiled, first_step_compiles
 from .quantization import check_compiled_int8
@@ -107,6 +110,10 @@ class CompileHooks(GenerateHooks):
         return first_step_compiled(model, plan, projections, input_ids, generation_config, model_kwargs)
 
     def compiled_call(self, model, plan, compile_config, compiled):
+        padding = plan.padding
+        if padding is not None and plan.generation_config is not None:
+            rows = padding.padded_batch_size * rows_per_input(model, plan.generation_config)
+            kernel_choice.prepare(model, compile_config, [rows])
         if getattr(compile_config, "step_guards", "every") != "first":
             return compiled
         return GuardsOfFirstStep(compiled)

@@ -20,6 +20,7 @@ from transformers.generation.stopping_criteria import StoppingCriteria, Stopping
 from ..cache import CacheConfig
 from ..generate.policies import POLICIES
 from ..generate.request import FLEXIBLE_STATIC
+from . import kernel_choice
 from .caching import compile_cache, model_facts
 from .encoder import encoder_graph, encoder_warmup_calls, has_int8_variants
 
@@ -115,6 +116,9 @@ def warmup(
             'first, or list fewer sizes in cache_config["buckets"]'
         )
     calls = shapes + _encoder_shapes(model, shapes, compile_config)
+    # this CPU's fp32 linear kernels measured for every decode graph's rows, before any compiles (and before the
+    # compile cache's key: the passes' identity names the table)
+    kernel_choice.prepare(model, compile_config, [shape.batch_size * expand for shape in shapes])
     cache = contextlib.nullcontext()
     if cache_dir is not None:
         facts = {

@@ -245,9 +245,7 @@ def run_model(model: BenchModel, args, strategies: list[Strategy], log) -> Model
                 buckets=result.buckets,
                 keep_margins=strategy.name in references,
                 artifact=(
-                    os.path.join(args.artifact, model.name, strategy.name)
-                    if getattr(args, "artifact", None)
-                    else None
+                    os.path.join(args.artifact, model.name, strategy.name) if getattr(args, "artifact", None) else None
                 ),
             )
         )

@@ -7,7 +7,7 @@ step is upstream's loop calling the compiled forward (`PreTrainedModel.get_compi
 
 - **Building** (`Recorder`): each call of the compiled forward is run eagerly instead, and its arguments are
   described (`describe`): the pytree of its kwargs, each tensor's shape and dtype, every other value, and the cache's
-  state, i.e. the tensors of the cache object (`exported_step.cache_slots`: its storages and 0-d lengths, written in
+  state, i.e. the tensors of the cache object (`cache_slots`: its storages and 0-d lengths, written in
   place) and the plain values of the cache's objects (`window_len`, `batch_size`, ...). A description not seen yet
   is kept with a clone of its tensors; after the warm-up each one is exported (`CapturedStep`: the tensors in, the
   cache's tensors swapped in, the plain state set as described) and compiled with AOTInductor
@@ -68,6 +68,18 @@ def _state_objects(root) -> list:
     return found
 
 
+def cache_slots(cache) -> list[tuple[object, str]]:
+    """`(owner, attribute)` of every tensor the cache's objects (`_state_objects`) hold, once per tensor, in a fixed
+    order (as the serving engine's `exported_step.cache_slots`, over transformers' caches too)."""
+    slots, seen = [], set()
+    for obj in _state_objects(cache):
+        for name, value in list(vars(obj).items()):
+            if isinstance(value, torch.Tensor) and id(value) not in seen:
+                seen.add(id(value))
+                slots.append((obj, name))
+    return slots
+
+
 def _plain(value) -> bool:
     if isinstance(value, _PLAIN):
         return True
@@ -114,8 +126,6 @@ def describe(kwargs: dict) -> tuple[str, dict]:
     Raises:
         Unsupported: an argument that is neither a tensor, a plain value, a dtype or device, nor a cache.
     """
-    from ..serving.exported_step import cache_slots
-
     leaves, spec = pytree.tree_flatten(kwargs)
     described, caches = [], []
     for leaf in leaves:
@@ -142,8 +152,6 @@ def describe(kwargs: dict) -> tuple[str, dict]:
 
 def _split(kwargs: dict) -> tuple[list, list, object, list]:
     """(tensor leaves, caches, spec, leaves) of the kwargs of a forward call."""
-    from ..serving.exported_step import cache_slots
-
     leaves, spec = pytree.tree_flatten(kwargs)
     tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
     caches = [
@@ -160,8 +168,6 @@ class CapturedStep(torch.nn.Module):
     recorded call; its tensors are swapped for those passed in, then put back."""
 
     def __init__(self, model, kwargs: dict, state_before: list):
-        from ..serving.exported_step import cache_slots
-
         super().__init__()
         self.model = model
         tensors, caches, self.spec, self.leaves = _split(kwargs)
@@ -256,8 +262,6 @@ class Replayer:
         self.templates: dict = {}
 
     def wrap(self, compiled):
-        from ..serving.exported_step import cache_slots
-
         def forward(**kwargs):
             try:
                 digest, _ = describe(kwargs)

@@ -28,7 +28,7 @@ import json
 
 import torch
 from torch.utils import _pytree as pytree
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..log import get_logger
 from .config import compile_settings
@@ -36,17 +36,19 @@ from .config import compile_settings
 logger = get_logger(__name__)
 
 PACKAGE_PREFIX = "transformers_flexcache"
+CACHE_PREFIX = "transformers_flexcache.cache"
 ARTIFACT_ATTRIBUTE = "_flex_generate_artifact"  # on the model: its Recorder or Replayer
 _PLAIN = (bool, int, float, str, type(None))
 
 
 def _state_objects(root) -> list:
-    """The objects of `root` (a cache) whose attributes are its state: itself and the objects of this package (or
-    transformers' caches) it holds, in a fixed order (as `exported_step.cache_slots` walks them)."""
+    """The objects of `root` (a cache) whose attributes are its state: itself and the cache objects it holds (of this
+    package's `cache/` wing, transformers' caches and cache layers), in a fixed order. Not the objects that lend it
+    (a pool's leases: their counters change from call to call and no graph reads them)."""
 
     def ours(value) -> bool:
         return hasattr(value, "__dict__") and (
-            type(value).__module__.startswith(PACKAGE_PREFIX) or isinstance(value, Cache)
+            type(value).__module__.startswith(CACHE_PREFIX) or isinstance(value, Cache | CacheLayerMixin)
         )
 
     found, seen = [], set()

@@ -90,8 +90,8 @@ def warmup(
             loaded graphs, their encoders and first steps eagerly. Where it holds none for these (missing, another
             key, damaged: a warning says which, unless it is missing), the graphs are built into it first
             (`torch.export` and AOTInductor: slower than a compile, once) and then loaded. `cache_dir` is then not
-            used. The model keeps the artifact for its later calls (`generate_artifact.set_artifact(model, None)`
-            takes it away).
+            used. The model keeps the artifact for its later calls (`transformers_flexcache.compile.set_artifact(model,
+            None)` takes it away).
         progress (`Callable[[int, int], None]`, *optional*): called with (calls done, calls in all) before the first
             warm-up call and after each.
         **generate_kwargs: other arguments the served calls pass (`num_beams` changes the rows per input).

@@ -6,16 +6,18 @@ step is upstream's loop calling the compiled forward (`PreTrainedModel.get_compi
 (`compile.hooks.CompileHooks.compiled_call`), under `warmup()`:
 
 - **Building** (`Recorder`): each call of the compiled forward is run eagerly instead, and its arguments are
-  described (`describe`): the pytree of its kwargs, each tensor's shape and dtype, every other value, and the cache's
-  state, i.e. the tensors of the cache object (`cache_slots`: its storages and 0-d lengths, written in
-  place) and the plain values of the cache's objects (`window_len`, `batch_size`, ...). A description not seen yet
-  is kept with a clone of its tensors; after the warm-up each one is exported (`CapturedStep`: the tensors in, the
-  cache's tensors swapped in, the plain state set as described) and compiled with AOTInductor
-  (`artifact.write_artifact`), keyed by the description's SHA-256.
+  described (`describe`): the pytree of its kwargs, each tensor's shape, dtype and strides, every other value, and
+  the cache's state, i.e. the tensors of the cache's objects (`cache_slots`: its storages and 0-d lengths, written
+  in place) and the plain values of those objects (`window_len`, `batch_size`, ...; not the pool's leases). A
+  description not seen yet is exported there and then, while the cache is in that call's state (`CapturedStep`: the
+  tensors in, the cache's tensors swapped in, its plain state set back after the trace); after the warm-up each
+  export is compiled with AOTInductor (`artifact.write_artifact`), keyed by the description's SHA-256, with the plain
+  state the eager step left and the structure of the model's output.
 - **Loading** (`Replayer`): a call whose description is one of the artifact's runs its graph (the cache's tensors
   passed in, so the graph writes the live cache), and the plain values the eager step left behind are set as it left
   them; any other call runs the compiled forward (dynamo traces it), with a warning the first time. Every plain value
-  that could change the graph is in the description, so a graph runs only on a call that it was traced for.
+  that could change the graph is in the description, so a graph runs only on a call that it was traced for. Within
+  one generate call, a later step with the same arguments' shapes and values skips the description (`Replayer.wrap`).
 
 The warm-up's own facts (the model, its weights, the capacities, the calls `warmup()` runs, the generate kwargs) are
 the artifact's key (`artifact.artifact_facts`), checked before anything loads.
@@ -273,7 +275,6 @@ class Replayer:
         self.model = model
         self.loaded = loaded  # `artifact.LoadedArtifact`: graphs and extras by (digest,)
         self.missed: set = set()
-        self.templates: dict = {}
 
     def wrap(self, compiled):
         # Within one generate call (upstream's generate asks for the compiled forward once per call), a step whose

@@ -13,6 +13,10 @@ a call is not compiled each answer is the default one, upstream's behaviour:
   the call's first step only (`GuardsOfFirstStep`, `FlexCompileConfig(step_guards="first")`).
 - `cache_leased`: a fixed-shape cache on an accelerator gets static addresses for CUDA graphs
   (`mark_static_addresses`).
+
+Where `warmup(..., artifact=DIR)` set a compiled artifact on the model (`generate_artifact.ARTIFACT_ATTRIBUTE`: a
+`Recorder` while it builds one, a `Replayer` once loaded), the compiled forward is the artifact's
+(`generate_artifact.py`), and the encoder and the first decoder step run as without a compile (nothing traced).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from ..generate.plan import rows_per_input
 from . import kernel_choice
 from .config import compile_settings
 from .encoder import compiles_encoder, encode_compiled, first_step_compiled, first_step_compiles
+from .generate_artifact import artifact_of
 from .quantization import check_compiled_int8
 
 
@@ -98,18 +103,25 @@ class CompileHooks(GenerateHooks):
         return compile_settings(generation_config.compile_config)
 
     def encode_padded_call(self, model, generation_config, input_name: str, model_inputs: dict, *, candidates: bool):
+        if artifact_of(model) is not None:
+            return None
         if not compiles_encoder(model, generation_config, input_name, model_inputs, candidates=candidates):
             return None
         encoder_kwargs = {key: value for key, value in model_inputs.items() if key != input_name}
         return encode_compiled(model, generation_config, model_inputs[input_name], encoder_kwargs)
 
     def first_step(self, model, plan, input_ids, generation_config, model_kwargs: dict):
+        if artifact_of(model) is not None:
+            return None
         projections = first_step_compiles(model, plan, input_ids, generation_config, model_kwargs)
         if projections is None:
             return None
         return first_step_compiled(model, plan, projections, input_ids, generation_config, model_kwargs)
 
     def compiled_call(self, model, plan, compile_config, compiled):
+        artifact = artifact_of(model)
+        if artifact is not None:
+            return artifact.wrap(compiled)
         padding = plan.padding
         if padding is not None and plan.generation_config is not None:
             rows = padding.padded_batch_size * rows_per_input(model, plan.generation_config)

@@ -280,8 +280,7 @@ def perf_samples(result: dict):
 
 
 def _torch_rows(args, model, config, batches: list[int], log) -> dict:
-    from ..compile import compile_settings, kernel_profile_compile
-    from ..compile.kernel_choice import model_linear_shapes
+    from ..compile import compile_settings, kernel_profile_compile, model_linear_shapes
     from .models import BENCH_MODELS
     from .strategies import STRATEGIES_BY_NAME
     from .torch_runner import TorchRunner

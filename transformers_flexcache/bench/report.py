@@ -87,13 +87,9 @@ def isa_info() -> dict:
 
 def _kernel_choices() -> dict:
     """`{"table": path, "choices": {"RxKxN": kernel}}` of this CPU's measured kernel table (`compile.kernel_choice`)."""
-    from ..compile import kernel_choice
+    from ..compile import measured_linear_kernels
 
-    table = kernel_choice._table()
-    return {
-        "table": str(kernel_choice.table_path()),
-        "choices": {key: entry.get("choice") for key, entry in sorted(table.items())},
-    }
+    return measured_linear_kernels()
 
 
 def _int8_bits() -> int | None:

@@ -55,6 +55,9 @@ _NAMES = {
     "resolve_int8_linears": "passes",
     "resolve_linear_kernels": "passes",
     "resolve_one_row_linears": "passes",
+    "prepare_linear_kernels": "kernel_choice",
+    "measured_linear_kernels": "kernel_choice",
+    "model_linear_shapes": "kernel_choice",
     # compiled artifacts
     "ArtifactRefused": "artifact",
     "LoadedArtifact": "artifact",

@@ -8,8 +8,10 @@ a call is not compiled each answer is the default one, upstream's behaviour:
 - `encode_padded_call`: a fixed-shape encoder-decoder call's encoder runs compiled, with dynamic shapes, at the call's
   own rows (`encoder.compiles_encoder`, `encoder.encode_compiled`).
 - `first_step`: its first decoder step runs in the compiled decode graph (`encoder.first_step_compiles`).
-- `compiled_call`: this CPU's fp32 linear kernels measured for the call's padded rows where not yet measured
-  (`kernel_choice.prepare`, before its decode graph compiles); the compiled forward checks dynamo's guards in full at
+- `call_padded`: this CPU's fp32 linear kernels measured for the call's padded rows where not yet measured
+  (`kernel_choice.prepare`, before its encoder, first step or decode graph compiles, since the passes' cache identity
+  names the table's choices).
+- `compiled_call`: the compiled forward checks dynamo's guards in full at
   the call's first step only (`GuardsOfFirstStep`, `FlexCompileConfig(step_guards="first")`).
 - `cache_leased`: a fixed-shape cache on an accelerator gets static addresses for CUDA graphs
   (`mark_static_addresses`).
@@ -102,6 +104,15 @@ class CompileHooks(GenerateHooks):
         check_compiled_int8(model)  # 8-bit int8 weights on a CPU whose int8 kernels saturate: refused here
         return compile_settings(generation_config.compile_config)
 
+    def call_padded(self, model, plan, generation_config) -> None:
+        # this CPU's fp32 linear kernels measured for the call's padded rows where not yet measured, before its
+        # encoder, first step or decode graph compiles (the passes' cache identity names the table's choices)
+        compile_config = generation_config.compile_config
+        if compile_config is None or artifact_of(model) is not None:
+            return
+        rows = plan.padding.padded_batch_size * rows_per_input(model, generation_config)
+        kernel_choice.prepare(model, compile_config, [rows])
+
     def encode_padded_call(self, model, generation_config, input_name: str, model_inputs: dict, *, candidates: bool):
         if artifact_of(model) is not None:
             return None
@@ -122,10 +133,6 @@ class CompileHooks(GenerateHooks):
         artifact = artifact_of(model)
         if artifact is not None:
             return artifact.wrap(compiled)
-        padding = plan.padding
-        if padding is not None and plan.generation_config is not None:
-            rows = padding.padded_batch_size * rows_per_input(model, plan.generation_config)
-            kernel_choice.prepare(model, compile_config, [rows])
         if getattr(compile_config, "step_guards", "every") != "first":
             return compiled
         return GuardsOfFirstStep(compiled)

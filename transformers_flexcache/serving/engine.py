@@ -46,9 +46,9 @@ from ..compile import (
     compile_cache,
     encoder_warmup_calls,
     explained_recompile_limit,
-    kernel_choice,
     load_artifact,
     model_facts,
+    prepare_linear_kernels,
     recompile_limit,
     write_artifact,
 )
@@ -311,7 +311,7 @@ class Engine:
             )
         # this CPU's fp32 linear kernels measured at every decode graph's rows before any compiles
         # (`compile.kernel_choice`; a no-op where the compile config does not read them)
-        kernel_choice.prepare(self.model, self.compile_config, [rows for rows, _, _ in shapes])
+        prepare_linear_kernels(self.model, self.compile_config, [rows for rows, _, _ in shapes])
         # the compiled encoder's graphs: a single row (a graph of its own where the encoder does not pack; an int8
         # model's projections share one), several rows, and an int8 model's library kernels for many
         # (`compile.encoder.encoder_graph`)

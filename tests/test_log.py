@@ -93,6 +93,11 @@ def test_the_test_command_shows_no_torchscript_deprecation_that_inductor_s_impor
     # The README's test command printed `torch.jit.script_method is deprecated` for every compiling test: inductor's
     # graph passes import torch.utils.mkldnn. pyproject.toml's filterwarnings drops it, by message and category.
     # tests/conftest.py drops torchao's import-time lines, which torch's log handler writes past pytest's capture.
+    # torchao imported by a conftest.py of a path given: pytest loads it before any pytest_configure (tests/export's
+    # conftest.py imports the package's commands); torch 2.15 logs pytree's deprecation for its enums there
+    (tmp_path / "conftest.py").write_text(
+        "import importlib.util\n\nif importlib.util.find_spec('torchao'):\n    import torchao  # noqa: F401\n"
+    )
     (tmp_path / "test_imports.py").write_text(
         "import importlib.util\nimport warnings\n\n\ndef test_inductor_imports():\n"
         "    import torch.utils.mkldnn  # noqa: F401  (what inductor's pre-grad passes import)\n\n\n"

@@ -169,3 +169,29 @@ def test_a_parameterized_test_function_stands_for_its_generated_methods(tmp_path
         "tests/test_p.py::PTest::test_x_1_gemma2",
         "tests/test_p.py::PTest::test_y",
     ]
+
+
+@pytest.mark.parametrize(("k", "core"), [("", True), ("generate or cache", False)])
+def test_upstream_tests_select_by_k_and_leave_out_the_core_files_when_asked(tmp_path, monkeypatch, k, core):
+    check_tree = load("check_tree")
+    base, tip = tmp_path / "base", tmp_path / "tip"
+    for root in (base, tip):
+        for folder in ("tests/utils", "tests/generation", "tests/models/t5"):
+            (root / folder).mkdir(parents=True)
+        (root / "tests/utils/test_cache_utils.py").write_text("")
+    calls = []
+
+    def fake_pytest(tree_dir, targets, junit_path, log, extra=(), jobs=0):
+        calls.append((list(targets), list(extra)))
+        junit(junit_path, {"test_a": "passed"})
+        log.write_text("1 passed\n")
+
+    monkeypatch.setattr(check_tree, "pytest", fake_pytest)
+    tree = type("FakeTree", (), {"work": tmp_path})()
+    model_files = ["tests/models/t5/test_modeling_t5.py"]
+    assert check_tree.check_upstream_tests(tree, base, tip, model_files, 2, k, core)
+    assert len(calls) == 2, "one run a side"
+    for targets, extra in calls:
+        core_files = ["tests/utils/test_cache_utils.py", "tests/generation"] if core else []
+        assert targets == core_files + model_files
+        assert (extra[-2:] == ["-k", k]) if k else ("-k" not in extra)

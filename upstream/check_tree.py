@@ -24,15 +24,24 @@ applied with `git am` to a clone: branch `main` is the tree, branch `series` one
       without it (where the bug does not apply it passes both ways). A patch that touches no test fails this step;
   (d) with --upstream-tests: upstream's test files of every model the series touches, of cache_utils, masking_utils
       and generation, on the unpatched and the patched clone (`-n JOBS`), compared with compare_junit.py; a test that
-      passes unpatched and fails (or vanishes) patched fails the step.
+      passes unpatched and fails (or vanishes) patched fails the step. For a run that fits the time at hand,
+      `--models m1,m2` limits its model test files to those models (each must be a model the series touches),
+      `--upstream-tests-k EXPR` selects tests by pytest's `-k EXPR` on both sides (e.g. the generation and cache tests:
+      `-k "generate or cache or past or beam or static or compile or export"`), and `--no-core-tests` leaves out
+      cache_utils', masking_utils' and generation's own files; the JUnit files and logs are in the work folder
+      (`upstream-unpatched.xml`, `upstream-patched.xml`).
 
 Times measured here (2 CPU cores shared with other engineers' runs, load average 17 to 22): the clone and `git am`
 of nine patches about 10 s; (a) check_copies 74 s for both sides, check_docstrings --check_all about 11 minutes a
 side, the converter over the current series' 22 models and their dependents not finished within the session (the
 August converter's full --check_all ran over 50 minutes); (b) 4 s; (c) a few seconds for a patch without tests,
-about 5 minutes for a patch with one test in tests/utils/test_cache_utils.py (two pytest runs); (d) not measured
-here: budget about 10 minutes a side per model test file under such a load (-n 2 helps on a free machine). Use
---skip source for a quick run of (b) and (c) (under a minute for the current series). Exits 1 if any step fails,
+about 5 minutes for a patch with one test in tests/utils/test_cache_utils.py (two pytest runs); (d) on whole
+files not measured here: budget about 10 minutes a side per model test file under such a load (-n 2 helps on a free
+machine); with --upstream-tests-k "(past or static or use_cache or left_padding or cache) and not compil and not quant
+and not flash" and --no-core-tests, 10 to 13 models' files took 9 to 35 minutes for both sides (--jobs 1, load 13 to
+20; the `torch.compile` tests, which that expression leaves out, take minutes each). Use
+--skip source for a quick run of (b) and (c) (under a minute for the current series); (a)'s parts are skipped one by one
+with --skip copies, docstrings or modular, so that `--skip copies,modular,style,patches` runs check_docstrings alone. Exits 1 if any step fails,
 after running them all; prints one line per step.
 """
 
@@ -455,10 +464,14 @@ def check_patch_tests(tree: Tree, k: int, model_test_files: list[str]) -> bool:
 # (d) upstream's own tests ---------------------------------------------------------------------------------------
 
 
-def check_upstream_tests(tree: Tree, base: Path, tip: Path, model_test_files: list[str], jobs: int) -> bool:
+def check_upstream_tests(
+    tree: Tree, base: Path, tip: Path, model_test_files: list[str], jobs: int, k: str = "", core: bool = True
+) -> bool:
     started = time.time()
-    targets = [t for t in UPSTREAM_CORE_TESTS if (tip / t).exists()] + model_test_files
-    extra = [f"--ignore={path}" for path in UPSTREAM_IGNORE]
+    targets = [t for t in UPSTREAM_CORE_TESTS if core and (tip / t).exists()] + model_test_files
+    # a test file the tree cannot import (the fork's testers against 5.25's testing_utils) must not stop the others
+    extra = [f"--ignore={path}" for path in UPSTREAM_IGNORE] + ["--continue-on-collection-errors"]
+    extra += ["-k", k] if k else []
     for side, root in (("unpatched", base), ("patched", tip)):
         side_started = time.time()
         result = pytest(
@@ -471,7 +484,8 @@ def check_upstream_tests(tree: Tree, base: Path, tip: Path, model_test_files: li
          str(tree.work / "upstream-patched.xml")], tree.work,
     )  # fmt: skip
     print("\n".join("       " + line for line in compare.stdout.splitlines()))
-    return report("upstream tests", compare.returncode == 0, f"{len(targets)} test files or folders", started)
+    detail = f"{len(targets)} test files or folders" + (f", -k {k!r}" if k else "")
+    return report("upstream tests", compare.returncode == 0, detail, started)
 
 
 def model_test_files(tree: Tree, tip: Path) -> list[str]:
@@ -489,14 +503,32 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--upstream-tests", action="store_true", help="(d): upstream's tests, unpatched and patched")
     parser.add_argument("--jobs", type=int, default=2, help="pytest-xdist workers and converter processes")
     parser.add_argument("--keep", action="store_true", help="keep the work folder")
-    parser.add_argument("--skip", default="", help="comma-separated steps to skip: source,style,patches")
+    parser.add_argument(
+        "--skip",
+        default="",
+        help="comma-separated steps to skip: source (or one of its parts: copies, docstrings, modular), style, patches",
+    )
     parser.add_argument(
         "--mixin-models",
         default="",
         help="comma-separated model types: run the mixin tests of (c) through these models' test files only (a quick "
         "run; default: every model the series touches)",
     )
+    parser.add_argument(
+        "--models",
+        default="",
+        help="comma-separated model types: (d) runs only these models' test files (default: every model the series "
+        "touches); each must be one the series touches",
+    )
+    parser.add_argument("--upstream-tests-k", default="", metavar="EXPR", help="(d) selects tests by pytest's -k EXPR")
+    parser.add_argument(
+        "--no-core-tests",
+        action="store_true",
+        help="(d) leaves out cache_utils', masking_utils' and generation's test files (the model test files only)",
+    )
     args = parser.parse_args(argv)
+    if (args.models or args.upstream_tests_k or args.no_core_tests) and not args.upstream_tests:
+        parser.error("--models, --upstream-tests-k and --no-core-tests select what --upstream-tests runs: add it")
     if not (args.tree / ".git").exists() or not (args.tree / "utils" / "check_copies.py").exists():
         parser.error(f"--tree {args.tree} is not a reference tree (a git repository with utils/check_copies.py)")
     patches = [args.series.parent / name for name in args.series.read_text().split()]
@@ -513,11 +545,13 @@ def main(argv: list[str]) -> int:
         )
         tests = model_test_files(tree, tip)
         results = []
-        if "source" not in skip:
+        if not {"source", "copies"} & skip:
             results.append(check_script(tree, base, tip, "check_copies", ["utils/check_copies.py"]))
+        if not {"source", "docstrings"} & skip:
             results.append(
                 check_script(tree, base, tip, "check_docstrings", ["utils/check_docstrings.py", "--check_all"])
             )
+        if not {"source", "modular"} & skip:
             results.append(check_modular(tree, base, tip, args.jobs))
         if "style" not in skip:
             results.append(check_style(tree, base, tip))
@@ -529,7 +563,20 @@ def main(argv: list[str]) -> int:
                 print(f"mixin tests through {len(mixin_files)} of {len(tests)} model test files (--mixin-models)")
             results += [check_patch_tests(tree, k, mixin_files) for k in range(1, len(patches) + 1)]
         if args.upstream_tests:
-            results.append(check_upstream_tests(tree, base, tip, tests, args.jobs))
+            upstream_files = tests
+            if args.models:
+                chosen = list(filter(None, args.models.split(",")))
+                unknown = sorted(set(chosen) - set(tree.touched_models()))
+                if unknown:
+                    raise SystemExit(f"--models: the series touches no model {', '.join(unknown)}")
+                prefixes = tuple(f"tests/models/{model}/" for model in chosen)
+                upstream_files = [path for path in tests if path.startswith(prefixes)]
+                print(f"(d) through {len(upstream_files)} of {len(tests)} model test files (--models)")
+            results.append(
+                check_upstream_tests(
+                    tree, base, tip, upstream_files, args.jobs, args.upstream_tests_k, not args.no_core_tests
+                )
+            )
     finally:
         if not args.keep and not args.work:
             shutil.rmtree(work, ignore_errors=True)

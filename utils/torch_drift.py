@@ -160,6 +160,17 @@ TORCH_NAMES: dict[str, TorchName] = {
         "compile/artifact.py compiles each exported graph of a compiled artifact with AOTInductor",
         ("exported_program", "package_path", "inductor_configs"),
     ),
+    "torch.utils._pytree.tree_flatten": TorchName(
+        "object",
+        "compile/generate_artifact.py describes a generate call's forward kwargs (tensors, values, caches)",
+        ("tree",),
+    ),
+    "torch.utils._pytree.tree_unflatten": TorchName(
+        "object", "compile/generate_artifact.py rebuilds the forward's kwargs and outputs", ("leaves", "treespec")
+    ),
+    "torch.utils._pytree.tree_leaves": TorchName(
+        "object", "compile/generate_artifact.py takes the tensors of a model output", ("tree",)
+    ),
     "torch._C._aoti.AOTIModelPackageLoader": TorchName(
         "object", "compile/artifact.py loads a compiled artifact's graphs (a dlopen, no compiler probe)"
     ),

@@ -347,3 +347,24 @@ def test_quick_bench_freezes_the_collectors_heap_for_the_stream_only(quick_run, 
     assert seen[0] == 0 and all(count > 0 for count in seen[1:3]) and seen[3:] == [0, 0, 0]
     assert json.loads((tmp_path / "b.json").read_text())["models"]["t5"]["gc"]["frozen_objects"] == 0
     assert gc.get_freeze_count() == 0
+
+
+def test_bench_artifact_goes_to_compiled_flexible_strategies_only(monkeypatch, tmp_path):
+    # `bench --artifact DIR`: each compiled flexible strategy warms up with warmup(..., artifact=DIR/<model>/<name>)
+    # (stood in for here: the real one builds AOTInductor packages, tests/compile/test_generate_artifact.py); eager
+    # strategies run as without it.
+    import transformers_flexcache.bench.torch_runner as torch_runner
+
+    seen = {}
+
+    def fake_warmup(model, make_inputs, *, max_new_tokens, artifact=None, **kwargs):
+        seen[artifact] = kwargs["compile_config"]
+        raise RuntimeError("stood in")
+
+    monkeypatch.setattr(torch_runner, "warmup", fake_warmup)
+    args = ["bench", "--quick", "--models", "t5", "--calls", "1", "--no-ctranslate2", "--threads", "1"]
+    strategies = "dynamic,flexible_static-exact,flexible_static-bucketed-compiled"
+    with contextlib.redirect_stdout(io.StringIO()):
+        main([*args, "--no-progress", "--strategies", strategies, "--artifact", str(tmp_path / "art")])
+    assert list(seen) == [str(tmp_path / "art" / "t5" / "flexible_static-bucketed-compiled")]
+    assert seen[str(tmp_path / "art" / "t5" / "flexible_static-bucketed-compiled")] is not None

@@ -39,6 +39,26 @@ def test_linears_are_grouped_by_weight_shape_and_the_vocabulary_sized_one_is_the
     assert categorize(eager, VOCAB, False) == "linear 512x512 (eager)"
 
 
+SHAPES = frozenset({(512, 512), (512, 2048), (2048, 512), (512, VOCAB)})
+
+
+def test_each_linear_op_is_read_by_its_signature_and_a_transposed_product_by_the_model_s_shapes():
+    graph = event("## Call CompiledFxGraph abc ##", 0, 100)
+    # MKL: the packed weight is recorded as [packed size, 1]; the original weight (third) has the shape
+    mkl = event("mkl::_mkl_linear", 1, shapes=[[4, 2048], [3293409, 1], [512, 2048], [], []], parent=graph)
+    assert categorize(mkl, VOCAB, True, SHAPES) == "linear 2048x512"
+    # inductor's transposed product W [N, K] @ x^T [K, rows]: once read as "linear 512x4"
+    transposed = event("aten::mm", 2, shapes=[[2048, 512], [512, 4]], parent=graph)
+    assert categorize(transposed, VOCAB, True, SHAPES) == "linear 512x2048"
+    output = event("aten::mm", 3, shapes=[[VOCAB, 512], [512, 8]], parent=graph)
+    assert categorize(output, VOCAB, True, SHAPES) == f"output layer 512x{VOCAB}"
+    straight = event("aten::addmm", 4, shapes=[[512], [8, 512], [512, 512]], parent=graph)
+    assert categorize(straight, VOCAB, True, SHAPES) == "linear 512x512"
+    # a product that is no linear of the model: named with its rows
+    other = event("aten::mm", 5, shapes=[[6, 64], [64, 4]], parent=graph)
+    assert categorize(other, VOCAB, True, SHAPES) == "matmul 6x64x4"
+
+
 def test_inductor_kernels_are_grouped_by_the_operations_they_are_named_after():
     names = {
         "graph_1_cpp_fused__scaled_dot_product_flash_attention_for_cpu_3": "attention",

@@ -13,14 +13,20 @@ times it, up to the step where a row's tokens part, and tokens may part only at 
 (`assert_int8_scores`): no tolerance here is tuned to one CPU (issue 46).
 
 Every CPU-dependent route runs on every machine that can run it: the CPU's answers are forced (`compile.cpu.forced`) where a
-route is right on any CPU (7-bit weights through oneDNN's, FBGEMM's or inductor's kernels), and the 8-bit route
-through oneDNN's kernels runs where the CPU has VNNI, and says which CPU it skipped on elsewhere.
+route is right on any CPU (7-bit weights through oneDNN's, FBGEMM's or inductor's kernels), and the 8-bit routes
+through FBGEMM's and oneDNN's kernels run where the CPU has VNNI, and say which CPU they skipped on elsewhere; under
+-m slow the 7-bit route runs again in a child process capped at AVX2, where FBGEMM's AVX2 kernels run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -79,18 +85,106 @@ def eager_int8(upstream, case, inputs: dict, **kwargs):
 
 
 def assert_int8_scores(expected, actual, atol: float) -> None:
-    """Each step's scores within `atol` (`int8_atol`) of the eager int8 reference's, up to and including the first
-    step at which a row's tokens part; tokens part nowhere else."""
-    new = len(expected.scores)
-    assert expected.sequences.shape == actual.sequences.shape, (expected.sequences, actual.sequences)
-    assert torch.equal(expected.sequences[:, :-new], actual.sequences[:, :-new])  # the prompt
-    for step, (want, got) in enumerate(zip(expected.scores, actual.scores, strict=True)):
-        finite = torch.isfinite(want)
-        assert torch.equal(finite, torch.isfinite(got)), f"step {step}: -inf pattern differs"
-        difference = (want[finite] - got[finite]).abs().max().item()
-        assert difference <= atol, f"step {step}: scores differ by {difference:.3g} (int8 tolerance {atol:.3g})"
-        if not torch.equal(expected.sequences[:, step - new], actual.sequences[:, step - new]):
-            return  # later steps continue other sequences
+    """What a compiled or padded int8 run (`actual`) can honestly be held to against eager int8 of the same quantized
+    model (`expected`), row by row (module docstring: the integer products are exact, the float parts between them
+    are not, and a rounding they move can move a whole quantization step):
+
+    - each step's scores within `atol` (`int8_atol`) of the reference's, while the row's tokens agree;
+    - the row's token parting only where the reference's margin between its own token and the one taken instead is
+      at most `2 * atol` (scores within `atol` of the reference's can flip no larger margin); from there on the row
+      continues another sequence and is not compared;
+    - a run that ends at another step than the reference's only after a row parted (no row may stop or go on alone).
+    """
+    rows, new, new_actual = expected.sequences.shape[0], len(expected.scores), len(actual.scores)
+    assert actual.sequences.shape[0] == rows, (expected.sequences.shape, actual.sequences.shape)
+    prompt = expected.sequences.shape[1] - new
+    assert actual.sequences.shape[1] - new_actual == prompt, (expected.sequences.shape, actual.sequences.shape)
+    assert torch.equal(expected.sequences[:, :prompt], actual.sequences[:, :prompt])  # the prompt
+    agreeing = list(range(rows))
+    for step in range(min(new, new_actual)):
+        want, got = expected.scores[step][:rows], actual.scores[step][:rows]
+        for row in agreeing:
+            finite = torch.isfinite(want[row])
+            assert torch.equal(finite, torch.isfinite(got[row])), f"step {step}, row {row}: -inf pattern differs"
+            difference = (want[row][finite] - got[row][finite]).abs().max().item()
+            assert difference <= atol, (
+                f"step {step}, row {row}: scores differ by {difference:.3g} (int8 tolerance {atol:.3g})"
+            )
+        parted = []
+        for row in agreeing:
+            token, taken = expected.sequences[row, prompt + step].item(), actual.sequences[row, prompt + step].item()
+            if token != taken:
+                margin = (want[row, token] - want[row, taken]).item()
+                assert margin <= 2 * atol, (
+                    f"step {step}, row {row}: token {taken} taken for {token}, whose score leads by {margin:.3g} "
+                    f"(more than twice the int8 tolerance {atol:.3g}: no move within the tolerance takes it)"
+                )
+                parted.append(row)
+        agreeing = [row for row in agreeing if row not in parted]
+        if not agreeing:
+            return
+    assert new == new_actual, f"{new_actual} steps against the reference's {new}, with rows {agreeing} agreeing"
+
+
+def _generated(sequences: list, scores: list) -> SimpleNamespace:
+    """A greedy generate output of `sequences` (prompt and new tokens) with each new step's `scores`."""
+    return SimpleNamespace(sequences=torch.tensor(sequences), scores=tuple(map(torch.tensor, scores)))
+
+
+# eager int8's two rows of a one-token prompt and two new tokens over a vocabulary of 3
+EAGER = _generated([[0, 1, 2], [0, 2, 2]], [[[0.0, 1.0, 0.5], [0.0, 0.2, 1.0]], [[0.0, 0.0, 1.0], [0.0, 0.0, 1.0]]])
+
+
+@pytest.mark.parametrize(
+    ("sequences", "scores", "atol", "failure"),
+    [
+        # every score within 0.1: holds
+        (
+            [[0, 1, 2], [0, 2, 2]],
+            [[[0.05, 1.0, 0.5], [0.0, 0.25, 1.0]], [[0.0, 0.05, 1.0], [0.0, 0.0, 0.95]]],
+            0.1,
+            None,
+        ),
+        # a score 0.2 away
+        (
+            [[0, 1, 2], [0, 2, 2]],
+            [[[0.0, 1.0, 0.5], [0.0, 0.2, 1.0]], [[0.0, 0.0, 1.0], [0.2, 0.0, 1.0]]],
+            0.1,
+            "step 1, row 1: scores differ by 0.2",
+        ),
+        # row 0 parts at step 0 where eager's token leads by 0.5 (within 2 x 0.3), scores within 0.3: row 0 is not
+        # compared after it, row 1 is
+        (
+            [[0, 2, 0], [0, 2, 2]],
+            [[[0.0, 0.75, 0.76], [0.0, 0.2, 1.0]], [[9.0, 0.0, 0.0], [0.0, 0.0, 1.0]]],
+            0.3,
+            None,
+        ),
+        (
+            [[0, 2, 0], [0, 2, 0]],
+            [[[0.0, 0.75, 0.76], [0.0, 0.2, 1.0]], [[9.0, 0.0, 0.0], [9.0, 0.0, 1.0]]],
+            0.3,
+            "step 1, row 1: scores differ by 9",
+        ),
+        # a token taken where eager's leads by 0.5 and scores are equal: beyond what the tolerance lets part
+        (
+            [[0, 2, 2], [0, 2, 2]],
+            [[[0.0, 1.0, 0.5], [0.0, 0.2, 1.0]], [[0.0, 0.0, 1.0], [0.0, 0.0, 1.0]]],
+            0.1,
+            "leads",
+        ),
+        # one step fewer, with no row parted
+        ([[0, 1], [0, 2]], [[[0.0, 1.0, 0.5], [0.0, 0.2, 1.0]]], 0.1, "1 steps against the reference's 2"),
+    ],
+    ids=["within", "beyond", "parted-at-a-near-tie", "beyond-in-the-other-row", "parted-at-a-wide-margin", "shorter"],
+)
+def test_the_int8_comparison_holds_what_it_states_and_fails_otherwise(sequences, scores, atol, failure):
+    actual = _generated(sequences, scores)
+    if failure is None:
+        assert_int8_scores(EAGER, actual, atol)
+    else:
+        with pytest.raises(AssertionError, match=failure):
+            assert_int8_scores(EAGER, actual, atol)
 
 
 @pytest.fixture(autouse=True)
@@ -521,53 +615,68 @@ def test_fbgemm_int8_encoders_compile_once_for_every_size():
     assert has_int8_variants(flex, compile_config_for_cpu(int8_linears="inductor"))
 
 
-# Every route that `int8_linears="auto"` can take, each on every CPU where it can be right: the CPU's answers are
-# forced when the model is quantized (7 bits without VNNI, 8 with it) and when it compiles (which kernels "auto"
-# picks: FBGEMM's where torch has it, oneDNN's on CPUs with AMX). 7-bit weights are exact on every kernel, so the
-# routes of VNNI and AMX CPUs run everywhere with them; 8-bit weights only where the CPU has VNNI (FBGEMM's and
-# oneDNN's VNNI kernels sum in 32 bits). "inductor" (never "auto" on an x86 torch, which has FBGEMM) and oneDNN's
-# route on T5 run under -m slow.
-WITHOUT_VNNI, WITH_VNNI, WITH_AMX = {"vnni": False}, {"vnni": True}, {"amx": True}
+# Every int8 route the code has, each forced on every CPU where it can be right: the CPU's answers are forced when
+# the model is quantized (7 bits without VNNI, 8 with it) and when it compiles (which kernels `int8_linears="auto"`
+# picks: FBGEMM's where torch has it and the CPU no AMX, oneDNN's on CPUs with AMX, inductor's dot products and float
+# GEMMs where torch has no FBGEMM and the CPU no VNNI). 7-bit weights are exact on every kernel, so those routes run
+# everywhere; 8-bit weights only where the CPU has VNNI (FBGEMM's and oneDNN's VNNI or AMX kernels sum in 32 bits),
+# skipped with the CPU named elsewhere. Forcing answers changes what the package decides, not which instructions the
+# libraries run: on a CPU with VNNI, `vnni=False` still runs FBGEMM's VNNI kernels (on 7-bit weights), so the 7-bit
+# route's own AVX2 kernels (`vpmaddubsw`) run in a child process capped at AVX2 (`bench --isa`'s caps, -m slow).
+# oneDNN's routes run Llama (T5 under -m slow: its oneDNN graphs compile for minutes), "inductor" under -m slow.
+WITHOUT_VNNI, WITH_VNNI, WITH_AMX = {"vnni": False}, {"vnni": True, "amx": False}, {"amx": True}
 INT8_ROUTES = [
-    pytest.param(T5, WITHOUT_VNNI, WITHOUT_VNNI, "fbgemm", id="7-bit-fbgemm-where-no-vnni", marks=needs_fbgemm),
-    pytest.param(T5, WITHOUT_VNNI, WITH_VNNI, "fbgemm", id="7-bit-fbgemm-where-vnni", marks=needs_fbgemm),
-    pytest.param(LLAMA, WITHOUT_VNNI, WITH_AMX, "library", id="7-bit-onednn-where-amx"),
+    # (case, quantized on, compiled on, int8_linears, the route "auto" or the option resolves to)
+    pytest.param(T5, WITHOUT_VNNI, WITHOUT_VNNI, "auto", "fbgemm", id="7-bit-fbgemm", marks=needs_fbgemm),
+    pytest.param(T5, WITH_VNNI, WITH_VNNI, "auto", "fbgemm", id="8-bit-fbgemm-vnni", marks=[needs_fbgemm, needs_vnni]),
+    pytest.param(LLAMA, WITHOUT_VNNI, WITH_AMX, "auto", "library", id="7-bit-onednn"),
+    pytest.param(LLAMA, WITH_VNNI, WITH_AMX, "auto", "library", id="8-bit-onednn-amx", marks=needs_vnni),
+    pytest.param(T5, WITHOUT_VNNI, WITH_AMX, "auto", "library", id="7-bit-onednn-t5", marks=pytest.mark.slow),
     pytest.param(
-        T5, WITH_VNNI, WITH_VNNI, "fbgemm", id="8-bit-fbgemm-on-a-vnni-cpu", marks=[needs_fbgemm, needs_vnni]
+        T5, WITH_VNNI, WITH_AMX, "auto", "library", id="8-bit-onednn-amx-t5", marks=[needs_vnni, pytest.mark.slow]
     ),
-    pytest.param(LLAMA, WITH_VNNI, WITH_AMX, "library", id="8-bit-onednn-on-a-vnni-cpu", marks=needs_vnni),
-    pytest.param(T5, WITHOUT_VNNI, WITH_AMX, "library", id="7-bit-onednn-t5", marks=pytest.mark.slow),
-    pytest.param(T5, WITHOUT_VNNI, WITHOUT_VNNI, "inductor", id="7-bit-inductor", marks=pytest.mark.slow),
+    pytest.param(T5, WITHOUT_VNNI, WITHOUT_VNNI, "inductor", "inductor", id="7-bit-inductor", marks=pytest.mark.slow),
 ]
+# A short mixed stream: rows and lengths change from call to call; the last call's shapes are the first's (no
+# compile in it under either policy), so that its profile shows the kernels that ran.
+INT8_STREAM = [(3, 7), (1, 4), (4, 8), (3, 7)]
 
 
-@pytest.mark.parametrize(("case", "quantized_on", "compiled_on", "route"), INT8_ROUTES)
-def test_each_compiled_int8_route_generates_the_eager_int8_tokens(case, quantized_on, compiled_on, route):
-    # "fbgemm" runs all but the decode steps of 1-2 rows on FBGEMM, and no library int8 linear at all; "inductor"
-    # the decode steps as dot products and the encoder and cross-attention projections as float GEMMs, no library
-    # int8 linear but the one whose 37 features (the tiny T5's second feed-forward linear) are no multiple of 4;
-    # "library" oneDNN's (or `_int_mm`), which the profile sees.
+@pytest.mark.parametrize("shape_policy", ["padded", "bucketed"])
+@pytest.mark.parametrize(("case", "quantized_on", "compiled_on", "int8_linears", "route"), INT8_ROUTES)
+def test_each_int8_route_generates_as_eager_int8_over_a_stream(
+    case, quantized_on, compiled_on, int8_linears, route, shape_policy
+):
+    # Compiled flexible generate against eager generate of the same quantized model (upstream's, DynamicCache), call
+    # by call: not bit for bit (the integer products are, the float parts between them are not: docs/compile.md,
+    # "What 'exact' covers"), so `assert_int8_scores`: scores within `int8_atol`, tokens parting only at a margin
+    # that the tolerance allows. "fbgemm" runs all but the decode steps of 1-2 rows on FBGEMM, and no library int8
+    # linear at all; "inductor" the decode steps as dot products and the encoder and cross-attention projections as
+    # float GEMMs, no library int8 linear but the one whose 37 features (the tiny T5's second feed-forward linear)
+    # are no multiple of 4; "library" oneDNN's (or `_int_mm`), which the profile sees.
     with cpu.forced(**quantized_on):
         upstream, flex = quantized_pair(case)
-    inputs = case.make_inputs(3, 7, torch.Generator().manual_seed(0))
+        assert int8_bits() == (8 if quantized_on.get("vnni") else 7)
+    generator = torch.Generator().manual_seed(0)
     common = {"max_new_tokens": 5, "do_sample": False}
-    expected, atol = eager_int8(upstream, case, inputs, **common)
     with cpu.forced(**compiled_on):
-        int8_linears = "inductor" if route == "inductor" else "auto"  # the other routes as "auto" takes them
         assert resolve_int8_linears(int8_linears) == route
         compile_config = compile_config_for_cpu(int8_linears=int8_linears)
-        for _ in range(2):  # the second call, compiled
-            with torch.profiler.profile(record_shapes=True) as profile:
+        for call, (batch_size, length) in enumerate(INT8_STREAM):
+            inputs = case.make_inputs(batch_size, length, generator)
+            expected, atol = eager_int8(upstream, case, inputs, **common)
+            last = call == len(INT8_STREAM) - 1
+            with torch.profiler.profile(record_shapes=True) if last else contextlib.nullcontext() as profile:
                 actual = flex.generate(
                     **inputs,
                     **common,
                     output_scores=True,
                     return_dict_in_generate=True,
                     cache_implementation="flexible_static",
-                    cache_config=cache_config_for(case, "padded"),
+                    cache_config=cache_config_for(case, shape_policy),
                     compile_config=compile_config,
                 )
-    assert_int8_scores(expected, actual, atol)
+            assert_int8_scores(expected, actual, atol)
     # a library int8 linear: oneDNN's (frozen) or `_int_mm` (whichever this CPU's inductor picks, and eager
     # prefills), in a decode step (up to 8 rows) or in the encoder and cross-attention projections (more)
     library_ops = ("onednn::qlinear_pointwise", "aten::_int_mm")
@@ -583,6 +692,55 @@ def test_each_compiled_int8_route_generates_the_eager_int8_tokens(case, quantize
         assert fbgemm_calls == 0
     else:
         assert library == [] and fbgemm_calls > 0, library
+
+
+@pytest.mark.slow
+@needs_fbgemm
+@pytest.mark.skipif(
+    "avx512f" not in (cpu.detected().hardware_flags or cpu.detected().flags) or bool(cpu.detected().isa_limit),
+    reason="this process runs AVX2 kernels already (the 7-bit route's own, in the default suite); this CPU: "
+    + cpu.detected().describe(),
+)
+def test_the_7_bit_route_under_avx2_caps_generates_as_eager_int8(tmp_path):
+    # The 7-bit FBGEMM route with FBGEMM's, oneDNN's, ATen's and inductor's AVX2 kernels: a child process started
+    # with `bench --isa avx2`'s caps (an emulation of an AVX2 CPU's instructions) runs the route's test, where the
+    # CPU answers no VNNI without being forced.
+    from transformers_flexcache.bench.isa import isa_environment
+
+    test = "tests/compile/test_quantization.py::test_each_int8_route_generates_as_eager_int8_over_a_stream"
+    environ = {**os.environ, **isa_environment("avx2"), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    probe = subprocess.run(
+        [sys.executable, "-c", "from transformers_flexcache.compile import cpu; print(cpu.detected().vnni)"],
+        env=environ,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert probe.stdout.strip() == "False", probe  # the child answers as an AVX2 CPU
+    child = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-n",
+            "0",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "not slow",
+            "-rs",
+            f"{test}[7-bit-fbgemm-padded]",
+            f"{test}[7-bit-fbgemm-bucketed]",
+        ],
+        env=environ,
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+        timeout=1800,
+    )
+    assert child.returncode == 0 and "2 passed" in child.stdout, child.stdout[-4000:] + child.stderr[-4000:]
 
 
 @pytest.mark.slow

@@ -31,6 +31,7 @@ import contextlib
 import copy
 import dataclasses
 import importlib.util
+import os
 import sys
 from dataclasses import dataclass, field
 
@@ -243,6 +244,9 @@ def run_model(model: BenchModel, args, strategies: list[Strategy], log) -> Model
                 result.capacities,
                 buckets=result.buckets,
                 keep_margins=strategy.name in references,
+                artifact=(
+                    os.path.join(args.artifact, model.name, strategy.name) if getattr(args, "artifact", None) else None
+                ),
             )
         )
     for strategy in strategies:
@@ -266,7 +270,7 @@ def run_model(model: BenchModel, args, strategies: list[Strategy], log) -> Model
     warm_up = model.make_inputs(config, 1, min_len, generator)
     for runner in list(runners):
         try:
-            if isinstance(runner, TorchRunner) and runner.strategy.warm_up_every_shape:
+            if isinstance(runner, TorchRunner) and runner.warms_up_every_shape:
                 record = runner.warm_up_every_shape(
                     lambda b, n: model.make_inputs(config, b, n, generator), args.new_tokens
                 )

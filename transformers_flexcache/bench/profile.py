@@ -108,32 +108,62 @@ _KERNEL_RULES = (
 _LINEAR_OPS = {"mkldnn::_linear_pointwise", "mkl::_mkl_linear", "aten::addmm", "aten::mm", "aten::linear"}
 
 
-def _linear_shape(event) -> tuple[int, int, int] | None:
-    """(rows, K, N) of a linear event from its recorded input shapes."""
-    shapes = [list(s) for s in event.input_shapes or [] if s]
-    if len(shapes) < 2:
-        return None
-    if event.name in ("aten::addmm",):
-        shapes = shapes[1:]
-    x, w = shapes[0], shapes[1]
+def _linear_shape(event, linear_shapes=frozenset()) -> tuple[int, int, int] | None:
+    """(rows, K, N) of a linear event from its recorded input shapes, read by the op's signature (positions, not the
+    non-empty shapes: an MKL-packed weight is recorded as `[packed size, 1]`, and reading it as the weight made
+    "linear 512x1"):
+
+    - `mkldnn::_linear_pointwise(x [..., K], w [N, K], ...)` and `aten::linear(x, w [N, K], b)`: N from the weight;
+    - `mkl::_mkl_linear(x [..., K], packed, w [N, K], b, batch_size)`: N from the original weight (third);
+    - `aten::mm(a [M, K], b [K, N])` and `aten::addmm(bias, a, b)`: a product whose operands may come in either
+      order: inductor writes a linear as `mm(W [N, K], x^T [K, M])` where it chose the transposed product, which
+      read as (rows N, K, N = M) made "linear 512x4" at 4 rows. Where `linear_shapes` (the model's (K, N) of its
+      linears) holds (K, M's N) it is the linear as given; where it holds (K, a's M) but not (K, N) it is the
+      transposed one: (rows N, K, a's M).
+    """
+    shapes = [list(s) if s else [] for s in (event.input_shapes or [])]
+    name = event.name
+    if name in ("mkldnn::_linear_pointwise", "aten::linear") and len(shapes) >= 2:
+        x, w = shapes[0], shapes[1]
+        if not x or len(w) != 2:
+            return None
+        return _rows(x), x[-1], w[0]
+    if name == "mkl::_mkl_linear" and len(shapes) >= 3:
+        x, w = shapes[0], shapes[2]
+        if not x or len(w) != 2:
+            return None
+        return _rows(x), x[-1], w[0]
+    if name in ("aten::mm", "aten::addmm"):
+        operands = shapes[1:3] if name == "aten::addmm" else shapes[:2]
+        if len(operands) < 2 or len(operands[0]) != 2 or len(operands[1]) != 2:
+            return None
+        (m, k), (_, n) = operands
+        if (k, n) not in linear_shapes and (k, m) in linear_shapes:
+            return n, k, m  # the transposed product: W [N, K] @ x^T [K, rows]
+        return m, k, n
+    return None
+
+
+def _rows(x: list) -> int:
     rows = 1
     for size in x[:-1]:
         rows *= size
-    k = x[-1]
-    n = w[0] if w[-1] == k else w[-1]
-    return rows, k, n
+    return rows
 
 
-def categorize(event, vocab_size: int, in_graph: bool) -> str | None:
-    """The group of one profiler event's self time (None: not a kernel: Python ranges, the graph's call)."""
+def categorize(event, vocab_size: int, in_graph: bool, linear_shapes=frozenset()) -> str | None:
+    """The group of one profiler event's self time (None: not a kernel: Python ranges, the graph's call).
+    `linear_shapes`: the model's (in, out) features of its linears, which tell a transposed product apart."""
     name = event.name
     if name in _LINEAR_OPS:
-        shape = _linear_shape(event)
+        shape = _linear_shape(event, linear_shapes)
         if shape is None:
             return "linears (shape not recorded)"
         rows, k, n = shape
         if n == vocab_size:
             return f"output layer {k}x{n}"
+        if linear_shapes and (k, n) not in linear_shapes:
+            return f"matmul {rows}x{k}x{n}" + ("" if in_graph else " (eager)")
         return f"linear {k}x{n}" + ("" if in_graph else " (eager)")
     if "cpp_fused" in name or name.startswith("graph_"):
         for group, rule in _KERNEL_RULES:
@@ -156,9 +186,9 @@ def _in_graph(event) -> bool:
     return False
 
 
-def group_profile(events, vocab_size: int) -> tuple[dict[str, float], int, dict[str, set]]:
+def group_profile(events, vocab_size: int, linear_shapes=frozenset()) -> tuple[dict[str, float], int, dict[str, set]]:
     """(`{group: microseconds summed over the steps}`, steps, `{group: kernel names}`) of the events inside
-    `decode_step` ranges."""
+    `decode_step` ranges; `linear_shapes` as for `categorize`."""
     steps = [e for e in events if e.name == "decode_step"]
     spans = sorted((e.time_range.start, e.time_range.end) for e in steps)
     totals: dict[str, float] = defaultdict(float)
@@ -170,7 +200,7 @@ def group_profile(events, vocab_size: int) -> tuple[dict[str, float], int, dict[
         start = event.time_range.start
         if not any(a <= start <= b for a, b in spans):
             continue
-        group = categorize(event, vocab_size, _in_graph(event))
+        group = categorize(event, vocab_size, _in_graph(event), linear_shapes)
         if group is None:
             continue
         totals[group] += event.self_cpu_time_total
@@ -250,7 +280,7 @@ def perf_samples(result: dict):
 
 
 def _torch_rows(args, model, config, batches: list[int], log) -> dict:
-    from ..compile import compile_settings, kernel_profile_compile
+    from ..compile import compile_settings, kernel_profile_compile, model_linear_shapes
     from .models import BENCH_MODELS
     from .strategies import STRATEGIES_BY_NAME
     from .torch_runner import TorchRunner
@@ -291,7 +321,7 @@ def _torch_rows(args, model, config, batches: list[int], log) -> dict:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
             call(stamps)
             stamps.close()
-        totals, n_steps, names = group_profile(prof.events(), config.vocab_size)
+        totals, n_steps, names = group_profile(prof.events(), config.vocab_size, frozenset(model_linear_shapes(model)))
         groups = {group: us / 1e3 / max(n_steps, 1) for group, us in totals.items()}
         kernels = sum(ms for group, ms in groups.items() if group not in SMALL_OPS)
         rows[batch] = {

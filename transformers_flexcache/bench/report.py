@@ -78,9 +78,18 @@ def isa_info() -> dict:
         "linear_kernels": resolve_linear_kernels("auto"),
         "one_row_linears": resolve_one_row_linears("auto"),
         "int8_linears": resolve_int8_linears("auto"),
+        # the kernels measured per linear shape on this CPU so far (compile.kernel_choice), the rule above elsewhere
+        "kernel_choices": _kernel_choices(),
         "ctranslate2_compute_types": compute_types,
         "int8_bits": _int8_bits(),
     }
+
+
+def _kernel_choices() -> dict:
+    """`{"table": path, "choices": {"RxKxN": kernel}}` of this CPU's measured kernel table (`compile.kernel_choice`)."""
+    from ..compile import measured_linear_kernels
+
+    return measured_linear_kernels()
 
 
 def _int8_bits() -> int | None:
@@ -532,7 +541,8 @@ def _isa_line(machine: dict) -> str:
     one_row = " (one-row graphs: inductor's dot products)" if isa.get("one_row_linears") == "inductor" else ""
     return (
         f"CPU: {machine.get('cpu_line') or cpu_line}; {bf16}\n"
-        f"fp32 linears compiled on {isa.get('linear_kernels')}{one_row}{int8}{ct2}\n"
+        f"fp32 linears compiled on the kernel measured per shape on this CPU (compile/kernel_choice.py), else "
+        f"{isa.get('linear_kernels')}{one_row}{int8}{ct2}\n"
     )
 
 

@@ -5,7 +5,8 @@ Design decisions:
   forward alone timed apart (`ForwardTimer`); cache storages are inspected by a forward hook in eager runs and on the
   returned cache in compiled ones (a hook would be traced into the graph). See `measure.py`.
 - The bucketed strategy compiles every shape before the stream (`warm_up_every_shape`, i.e. `warmup()`), as a
-  server would.
+  server would. With `bench --artifact DIR` every compiled flexible strategy warms up so, from a compiled artifact
+  folder of its own (`warmup(..., artifact=)`: loaded, or built and then loaded).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class TorchRunner:
         *,
         buckets: dict | None = None,
         keep_margins: bool = False,
+        artifact: str | None = None,
     ):
         self.name = strategy.name
         self.strategy = strategy
@@ -42,6 +44,12 @@ class TorchRunner:
         self.keep_margins = keep_margins  # a reference of other strategies: keep each step's top-1/top-2 margin
         self.keep_scores = strategy.runtime == "torch"  # compared with the reference's where the prefix is the same
         self.no_eos = NoEndOfSequence(model.generation_config.eos_token_id)
+        # a compiled artifact folder of this strategy's graphs (`bench --artifact`): its warm-up loads it, or builds it
+        self.artifact = artifact if strategy.compile and strategy.flexible else None
+
+    @property
+    def warms_up_every_shape(self) -> bool:
+        return self.strategy.warm_up_every_shape or self.artifact is not None
 
     def _on_device(self, inputs: dict) -> dict:
         return {
@@ -108,11 +116,14 @@ class TorchRunner:
         )
 
     def warm_up_every_shape(self, make_inputs, new_tokens: int) -> CallRecord:
-        """Compile every shape the strategy's policy can run the stream at (`warmup()`): one record for all."""
+        """Compile every shape the strategy's policy can run the stream at (`warmup()`; with `artifact`, its graphs
+        loaded from the folder, or built into it first): one record for all."""
         kwargs = {key: value for key, value in self.generate_kwargs.items() if key != "cache_implementation"}
         self.tracker.start_call()
         graphs_before, compile_before = compiled_graph_count(), compile_seconds()
         start = time.perf_counter()
+        if self.artifact is not None:
+            kwargs["artifact"] = self.artifact
         shapes = warmup(
             self.model, lambda b, n: self._on_device(make_inputs(b, n)), max_new_tokens=new_tokens, **kwargs
         )

@@ -15,7 +15,8 @@ Behind the face:
 - `passes/`: inductor graph passes (fp32 linears, int8 linears, a decode step's attention);
 - `quantization.py`: `quantize(model, "int8")`; `cpu.py`: what the CPU can do;
 - `artifact.py`: compiled artifacts (`transformers-flexcache compile`, `serve --compiled DIR`): graphs compiled
-  once with AOTInductor, loaded by later processes without tracing;
+  once with AOTInductor, loaded by later processes without tracing; `generate_artifact.py`: those of generate's
+  fixed-shape calls (`warmup(..., artifact=DIR)`, `bench --artifact DIR`);
 - `caching.py`: the compile cache (`--compile-cache DIR`, `warmup(..., cache_dir=DIR)`), with `fx_cache.py`,
   which lets inductor's FX graph cache take frozen graphs; `runtime.py`: what the rest reads or sets of torch's
   compile machinery (recompile limits, counters, inductor's cache folder); `gc_heap.py`: the collector around
@@ -54,12 +55,17 @@ _NAMES = {
     "resolve_int8_linears": "passes",
     "resolve_linear_kernels": "passes",
     "resolve_one_row_linears": "passes",
+    "prepare_linear_kernels": "kernel_choice",
+    "measured_linear_kernels": "kernel_choice",
+    "model_linear_shapes": "kernel_choice",
     # compiled artifacts
     "ArtifactRefused": "artifact",
     "LoadedArtifact": "artifact",
     "artifact_facts": "artifact",
     "load_artifact": "artifact",
     "write_artifact": "artifact",
+    "artifact_of": "generate_artifact",
+    "set_artifact": "generate_artifact",
     # the compile cache
     "WarmStart": "caching",
     "compile_cache": "caching",

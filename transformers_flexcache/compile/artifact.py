@@ -124,9 +124,10 @@ def graph_name(shape) -> str:
 
 
 def write_artifact(directory, facts: dict, graphs: dict, compile_config, *, progress=None) -> dict:
-    """Export and compile each graph of `graphs` (`{shape: (module, example_inputs)}`) with AOTInductor under the
-    settings of `compile_config`, into the folder `directory` (replaced as a whole when it exists); returns the
-    manifest.
+    """Export and compile each graph of `graphs` (`{shape: (module or its ExportedProgram, example_inputs)}`, or `(module, example_inputs,
+    extra)` with a JSON-able `extra` kept in the manifest for the loader, `LoadedArtifact.extras`) with AOTInductor
+    under the settings of `compile_config`, into the folder `directory` (replaced as a whole when it exists); returns
+    the manifest.
 
     Raises:
         ValueError: `directory` exists and is not an artifact folder (no manifest): it is left alone.
@@ -150,13 +151,17 @@ def write_artifact(directory, facts: dict, graphs: dict, compile_config, *, prog
         files, seconds = {}, {}
         if progress is not None:
             progress(0, len(graphs))
-        for done, (shape, (module, inputs)) in enumerate(graphs.items(), start=1):
+        for done, (shape, (module, inputs, *extra)) in enumerate(graphs.items(), start=1):
             started = time.perf_counter()
             name = f"{GRAPHS}/{graph_name(shape)}.pt2"
             with torch.no_grad(), compile_settings(compile_config):
-                program = torch.export.export(module, tuple(inputs), strict=False)
+                program = (
+                    module
+                    if isinstance(module, torch.export.ExportedProgram)
+                    else torch.export.export(module, tuple(inputs), strict=False)
+                )
                 aoti_compile_and_package(program, package_path=str(staging / name), inductor_configs=options)
-            files[name] = {"shape": list(shape)}
+            files[name] = {"shape": list(shape), **({"extra": extra[0]} if extra else {})}
             seconds[name] = round(time.perf_counter() - started, 2)
             if progress is not None:
                 progress(done, len(graphs))
@@ -184,11 +189,13 @@ class LoadedArtifact:
         graphs: `{shape: callable}`: each takes the graph's tensors (a list, in the caller's order) and returns its
             outputs (a list).
         seconds: the load's.
+        extras: `{shape: extra}` of the graphs written with one (`write_artifact`).
     """
 
     directory: str
     graphs: dict
     seconds: float
+    extras: dict = dataclasses.field(default_factory=dict)
 
     def describe(self) -> str:
         return f"compiled artifact {self.directory}: {len(self.graphs)} graphs loaded in {self.seconds:.1f} s"
@@ -221,14 +228,16 @@ def load_artifact(directory, facts: dict) -> LoadedArtifact:
             raise ArtifactRefused(f"{root}: {name} is missing")
         if path.stat().st_size != entry["bytes"] or _sha256(path) != entry["sha256"]:
             raise ArtifactRefused(f"{root}: {name} changed since it was written")
-    graphs = {}
+    graphs, extras = {}, {}
     for name, entry in files.items():
         try:
             loader = torch._C._aoti.AOTIModelPackageLoader(str(root / name), "model", False, 1, -1)
         except Exception as error:  # any refusal of torch's loader: the folder is not used
             raise ArtifactRefused(f"{root}: {name} did not load ({type(error).__name__}: {error})") from error
         graphs[tuple(entry["shape"])] = loader.run
-    return LoadedArtifact(str(root), graphs, time.perf_counter() - started)
+        if "extra" in entry:
+            extras[tuple(entry["shape"])] = entry["extra"]
+    return LoadedArtifact(str(root), graphs, time.perf_counter() - started, extras)
 
 
 def _sha256(path: Path) -> str:

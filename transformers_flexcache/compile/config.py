@@ -44,6 +44,7 @@ from .passes import (
     OneDNNLinears,
     OneQueryAttention,
     OneRowLinears,
+    measured_linear_plan,
     resolve_decode_attention,
     resolve_int8_linears,
     resolve_linear_kernels,
@@ -122,12 +123,16 @@ def compile_config_for_cpu(
     Args:
         fullgraph (`bool`, *optional*, defaults to `True`): fail on a graph break instead of running a slow path.
         linear_kernels (`str`, *optional*, defaults to `"auto"`): the kernels of the frozen fp32 linear layers:
-            `"mkl"` (inductor's own choice), `"onednn"`, or `"auto"`: MKL on Intel CPUs, oneDNN on the others (as
-            CTranslate2 chooses). oneDNN is set as an inductor pass (`OneDNNLinears`).
+            `"mkl"` (inductor's own choice), `"onednn"`, or `"auto"`: with `one_row_linears="auto"` too, the kernel
+            measured fastest on this CPU for each linear's rows and shape (`compile.kernel_choice`: measured once a
+            CPU before the graphs of those rows compile, kept on disk), and where a shape is not measured the rule:
+            MKL on Intel CPUs, oneDNN on the others (as CTranslate2 chooses). oneDNN is set as an inductor pass
+            (`OneDNNLinears`).
         one_row_linears (`str`, *optional*, defaults to `"auto"`): the frozen fp32 linears of a graph of one row (a
             decode step at batch 1): `"inductor"` (a dot product per output that inductor generates, reading the
             weight once: `OneRowLinears`), `"library"` (the `linear_kernels` above), or `"auto"`: inductor's where
-            the CPU is not Intel's (faster there than either library: docs/compile.md).
+            the CPU is not Intel's (faster there than either library: docs/compile.md), or this CPU's measured
+            choice as for `linear_kernels="auto"`.
         int8_linears (`str`, *optional*, defaults to `"auto"`): the int8 matrix multiplies of a model quantized with
             `quantize(model, "int8")`: `"fbgemm"` (FBGEMM's int8 GEMMs, exact on 7-bit weights, 8-bit with VNNI:
             `Int8FbgemmMatmuls`; decode steps of 1-2 rows as inductor's dot products, but their output layer),
@@ -179,11 +184,16 @@ def compile_config_for_cpu(
     elif int8_kernels == "inductor":  # marked before freezing, expanded after
         joint_passes += [Int8DotProducts(), Int8FloatGemms()]
         passes.append(Int8DotExpansion())
-    one_row = resolve_one_row_linears(one_row_linears) == "inductor"
-    if one_row:
-        passes.append(OneRowLinears())
-    if resolve_linear_kernels(linear_kernels) == "onednn":  # one-row linears left to OneRowLinears where it runs
-        joint_passes.append(OneDNNLinears(one_row=not one_row))
+    plan = measured_linear_plan(linear_kernels, one_row_linears)
+    if plan is not None:  # "auto": each linear on this CPU's measured kernel for its shape, else the rule by vendor
+        passes.append(OneRowLinears(plan))
+        joint_passes.append(OneDNNLinears(plan=plan))
+    else:
+        one_row = resolve_one_row_linears(one_row_linears) == "inductor"
+        if one_row:
+            passes.append(OneRowLinears())
+        if resolve_linear_kernels(linear_kernels) == "onednn":  # one-row linears left to OneRowLinears where it runs
+            joint_passes.append(OneDNNLinears(one_row=not one_row))
     if resolve_decode_attention(decode_attention) == "inductor":
         passes.append(OneQueryAttention())
     # a process whose ATEN_CPU_CAPABILITY caps inductor's vectors: the width pinned, so that inductor's FX graph cache

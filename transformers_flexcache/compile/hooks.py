@@ -8,10 +8,17 @@ a call is not compiled each answer is the default one, upstream's behaviour:
 - `encode_padded_call`: a fixed-shape encoder-decoder call's encoder runs compiled, with dynamic shapes, at the call's
   own rows (`encoder.compiles_encoder`, `encoder.encode_compiled`).
 - `first_step`: its first decoder step runs in the compiled decode graph (`encoder.first_step_compiles`).
-- `compiled_call`: the compiled forward checks dynamo's guards in full at the call's first step only
-  (`GuardsOfFirstStep`, `FlexCompileConfig(step_guards="first")`).
+- `call_padded`: this CPU's fp32 linear kernels measured for the call's padded rows where not yet measured
+  (`kernel_choice.prepare`, before its encoder, first step or decode graph compiles, since the passes' cache identity
+  names the table's choices).
+- `compiled_call`: the compiled forward checks dynamo's guards in full at
+  the call's first step only (`GuardsOfFirstStep`, `FlexCompileConfig(step_guards="first")`).
 - `cache_leased`: a fixed-shape cache on an accelerator gets static addresses for CUDA graphs
   (`mark_static_addresses`).
+
+Where `warmup(..., artifact=DIR)` set a compiled artifact on the model (`generate_artifact.ARTIFACT_ATTRIBUTE`: a
+`Recorder` while it builds one, a `Replayer` once loaded), the compiled forward is the artifact's
+(`generate_artifact.py`), and the encoder and the first decoder step run as without a compile (nothing traced).
 """
 
 from __future__ import annotations
@@ -19,8 +26,11 @@ from __future__ import annotations
 import torch
 
 from ..generate.hooks import GenerateHooks
+from ..generate.plan import rows_per_input
+from . import kernel_choice
 from .config import compile_settings
 from .encoder import compiles_encoder, encode_compiled, first_step_compiled, first_step_compiles
+from .generate_artifact import artifact_of
 from .quantization import check_compiled_int8
 
 
@@ -94,19 +104,35 @@ class CompileHooks(GenerateHooks):
         check_compiled_int8(model)  # 8-bit int8 weights on a CPU whose int8 kernels saturate: refused here
         return compile_settings(generation_config.compile_config)
 
+    def call_padded(self, model, plan, generation_config) -> None:
+        # this CPU's fp32 linear kernels measured for the call's padded rows where not yet measured, before its
+        # encoder, first step or decode graph compiles (the passes' cache identity names the table's choices)
+        compile_config = generation_config.compile_config
+        if compile_config is None or artifact_of(model) is not None:
+            return
+        rows = plan.padding.padded_batch_size * rows_per_input(model, generation_config)
+        kernel_choice.prepare(model, compile_config, [rows])
+
     def encode_padded_call(self, model, generation_config, input_name: str, model_inputs: dict, *, candidates: bool):
+        if artifact_of(model) is not None:
+            return None
         if not compiles_encoder(model, generation_config, input_name, model_inputs, candidates=candidates):
             return None
         encoder_kwargs = {key: value for key, value in model_inputs.items() if key != input_name}
         return encode_compiled(model, generation_config, model_inputs[input_name], encoder_kwargs)
 
     def first_step(self, model, plan, input_ids, generation_config, model_kwargs: dict):
+        if artifact_of(model) is not None:
+            return None
         projections = first_step_compiles(model, plan, input_ids, generation_config, model_kwargs)
         if projections is None:
             return None
         return first_step_compiled(model, plan, projections, input_ids, generation_config, model_kwargs)
 
     def compiled_call(self, model, plan, compile_config, compiled):
+        artifact = artifact_of(model)
+        if artifact is not None:
+            return artifact.wrap(compiled)
         if getattr(compile_config, "step_guards", "every") != "first":
             return compiled
         return GuardsOfFirstStep(compiled)

@@ -14,9 +14,23 @@ Design decisions:
 - The choice is the CPU's and the shape's: a table per CPU (`environment_facts()`: vendor, family, model, the
   instruction sets the kernels may use, so `bench --isa avx2` has its own; torch's version; the threads), in a JSON
   file beside the compile cache (`default_cache_dir()/../kernel-choices/<key>.json`), measured once and read by every
-  later process. `measure_linears` fills it before a compile (`warmup()` calls it with the model's linear shapes and
-  the bucket rows); the graph passes only read it (`choice`), and a shape not measured keeps the rule by vendor.
-- A candidate only wins by a margin (`MARGIN`): within it the incumbent (the vendor rule) stays, so that noise does
+  later process. `prepare` fills it before a compile, for the model's linear shapes at the rows its decode graphs
+  run (`warmup()` with every bucket's rows, `Engine.warmup()` with its decode shapes', a flexible compiled call with
+  its padded rows, from `hooks.CompileHooks.compiled_call`); the graph passes only read it (`choice`, through
+  `passes.fp32_linears.LinearPlan`), and a shape not measured keeps the rule by vendor.
+- The table of a CPU, once a shape is in it, is not measured again (delete the file to measure anew). The passes'
+  cache identity (`uuid`, which inductor's FX graph cache and the package's compile cache key on) holds
+  `table_digest()`: the CPU key and every choice of the table, so that a graph compiled on other choices (another
+  table, a table measured anew) is never loaded for this one. The cost: a table that grows (new rows measured) keys
+  the graphs of its earlier shapes anew, one compile more where they are not in the cache under the new key; for
+  that `prepare` measures every row of a warm-up before anything compiles.
+- With the compile artifact (`compile/artifact.py`, not changed here): the choices its graphs were compiled on are
+  the table at `table_path()` (file name `table_key()`, a hash of the CPU facts, torch and threads; folder
+  `TRANSFORMERS_FLEXCACHE_KERNEL_CHOICES` or `default_cache_dir()/../kernel-choices`); its graphs hold the kernels
+  already, so an artifact that carries the table does so for a later compile of shapes it lacks, keyed by
+  `table_digest()`.
+- A candidate only wins by a margin (`MARGIN`) and in most rounds (`ROUNDS_WON`, each round running every candidate
+  in turn): otherwise the incumbent (the vendor rule) stays, so that noise does
   not flip a choice from run to run.
 """
 
@@ -28,11 +42,13 @@ import os
 import statistics
 import threading
 import time
+import types
 from pathlib import Path
 
 import torch
 
 MARGIN = 0.05  # a challenger must be 5% faster than the rule's kernel
+ROUNDS_WON = 0.8  # ... and faster in this share of the rounds (paired: each round runs every candidate in turn)
 CANDIDATES_MANY = ("onednn", "mkl")
 CANDIDATES_ONE = ("inductor", "onednn", "mkl")
 _LOCK = threading.Lock()
@@ -45,6 +61,24 @@ def choices_dir() -> Path:
     return Path(
         os.environ.get("TRANSFORMERS_FLEXCACHE_KERNEL_CHOICES") or default_cache_dir().parent / "kernel-choices"
     )
+
+
+def table_key() -> str:
+    """This process's table name: a hash of the CPU (vendor, family, model, flags, kernel capability), torch's version
+    and the threads."""
+    return _key()
+
+
+def table_digest() -> str:
+    """`"<table_key()>-<hash of every shape's choice>"`: what the passes' cache identity holds (module docstring)."""
+    choices = {key: entry.get("choice") for key, entry in sorted(_table().items())}
+    contents = hashlib.sha256(json.dumps(choices, sort_keys=True).encode()).hexdigest()[:16]
+    return f"{table_key()}-{contents}"
+
+
+def table_path() -> Path:
+    """This process's table: `choices_dir() / f"{table_key()}.json"`, `{shape_key: {"choice", "ms", "rule"}}`."""
+    return _path()
 
 
 def _key() -> str:
@@ -123,6 +157,9 @@ def _runners(rows: int, k: int, n: int, candidates: tuple[str, ...]):
         def dot(x, w):
             return (x.unsqueeze(-2) * w).sum(-1)
 
+        # a code object per shape: dynamo keeps graphs per code object, and a process measuring more shapes than
+        # its recompile limit would otherwise time the eager product for the last ones
+        dot = types.FunctionType(dot.__code__.replace(co_name=f"dot_{k}x{n}"), dot.__globals__, f"dot_{k}x{n}")
         compiled = torch.compile(dot, dynamic=False, fullgraph=True)
         runners["inductor"] = _cycle(lambda w: compiled(x, w), weights)
     return runners
@@ -156,8 +193,12 @@ def measure(rows: int, k: int, n: int, *, rounds: int = 7, calls: int = 8) -> di
     ms = {name: 1e3 * statistics.median(values) for name, values in times.items()}
     rule = _rule(rows) if _rule(rows) in ms else min(ms, key=ms.get)
     best = min(ms, key=ms.get)
-    chosen = best if ms[best] < (1 - MARGIN) * ms[rule] else rule
-    return {"choice": chosen, "ms": ms, "rule": rule}
+    # paired by round (the candidates ran one after the other in each): the challenger must be ahead in most rounds
+    # too, not only by its median; on a loaded machine a median alone flipped from shape to shape
+    wins = sum(b < r for b, r in zip(times[best], times[rule], strict=True))
+    steady = wins >= ROUNDS_WON * len(times[rule])
+    chosen = best if ms[best] < (1 - MARGIN) * ms[rule] and steady else rule
+    return {"choice": chosen, "ms": ms, "rule": rule, "rounds_won": wins, "rounds": len(times[rule])}
 
 
 def measure_linears(shapes, rows_list, *, log=None) -> dict:
@@ -185,3 +226,35 @@ def model_linear_shapes(model: torch.nn.Module) -> list[tuple[int, int]]:
         if isinstance(module, torch.nn.Linear) and weight is not None and weight.dtype == torch.float32:
             shapes.add((module.in_features, module.out_features))
     return sorted(shapes)
+
+
+def uses_measured_choices(compile_config) -> bool:
+    """Whether `compile_config`'s fp32 linear passes read this table (`compile_config_for_cpu(linear_kernels="auto")`)."""
+    options = getattr(compile_config, "options", None) or {}
+    passes = [*(options.get("joint_custom_post_pass") or ()), *(options.get("post_grad_custom_post_pass") or ())]
+    return any(getattr(getattr(graph_pass, "plan", None), "measured", False) for graph_pass in passes)
+
+
+def prepare(model, compile_config, rows, *, log=None) -> None:
+    """Measures, where `compile_config`'s passes read the table, each fp32 linear shape of `model` at each of `rows`
+    not yet measured on this CPU (at most once a CPU: later calls only read the table). Call it before the graphs
+    of those rows compile."""
+    if not uses_measured_choices(compile_config):
+        return
+    shapes = model_linear_shapes(model)
+    rows = [r for r in sorted({int(r) for r in rows}) if any(shape_key(r, k, n) not in _table() for k, n in shapes)]
+    if rows and shapes:
+        with _MEASURING:
+            measure_linears(shapes, rows, log=log)
+
+
+_MEASURING = threading.Lock()
+prepare_linear_kernels = prepare  # the name the compile wing's face gives it
+
+
+def measured_linear_kernels() -> dict:
+    """`{"table": path, "choices": {"RxKxN": kernel}}` of this CPU's measured kernel table (the bench's report)."""
+    return {
+        "table": str(table_path()),
+        "choices": {key: entry.get("choice") for key, entry in sorted(_table().items())},
+    }

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from transformers import CompileConfig
@@ -20,13 +21,19 @@ from transformers.generation.stopping_criteria import StoppingCriteria, Stopping
 from ..cache import CacheConfig
 from ..generate.policies import POLICIES
 from ..generate.request import FLEXIBLE_STATIC
+from ..log import get_logger
+from . import kernel_choice
+from .artifact import MANIFEST, ArtifactRefused, artifact_facts, load_artifact, write_artifact
 from .caching import compile_cache, model_facts
 from .encoder import encoder_graph, encoder_warmup_calls, has_int8_variants
+from .generate_artifact import Recorder, Replayer, set_artifact
 
 # Forwards of each warm-up call: the first, one decode step that compiles, one that records CUDA graphs.
 WARMUP_FORWARDS = 3
 
 __all__ = ["warmup"]
+
+logger = get_logger(__name__)
 
 
 class StopAfterSteps(StoppingCriteria):
@@ -52,6 +59,7 @@ def warmup(
     cache_config,
     compile_config: CompileConfig | None = None,
     cache_dir: str | os.PathLike | None = None,
+    artifact: str | os.PathLike | None = None,
     progress: Callable[[int, int], None] | None = None,
     **generate_kwargs,
 ) -> list:
@@ -77,6 +85,14 @@ def warmup(
             `default_cache_dir()` is the user's): the graphs that an earlier process compiled for this model, shapes,
             settings, versions and CPU are loaded instead of compiled, and this warm-up's are written back. None:
             inductor's own cache only.
+        artifact (`str | os.PathLike`, *optional*): a compiled artifact folder (`generate_artifact.py`): the decode
+            steps' graphs of these calls (this model and weights, capacities, buckets, `max_new_tokens`, generate
+            kwargs, versions and CPU) are loaded from it, and nothing is traced: the calls' decode steps then run the
+            loaded graphs, their encoders and first steps eagerly. Where it holds none for these (missing, another
+            key, damaged: a warning says which, unless it is missing), the graphs are built into it first
+            (`torch.export` and AOTInductor: slower than a compile, once) and then loaded. `cache_dir` is then not
+            used. The model keeps the artifact for its later calls (`transformers_flexcache.compile.set_artifact(model,
+            None)` takes it away).
         progress (`Callable[[int, int], None]`, *optional*): called with (calls done, calls in all) before the first
             warm-up call and after each.
         **generate_kwargs: other arguments the served calls pass (`num_beams` changes the rows per input).
@@ -114,7 +130,13 @@ def warmup(
             f"the calls of the others eagerly; set torch._dynamo.config.recompile_limit = {len(shapes)} (or more) "
             'first, or list fewer sizes in cache_config["buckets"]'
         )
+    if artifact is not None:
+        _warmup_artifact(model, make_inputs, shapes, config, compile_config, generate_kwargs, artifact, progress)
+        return shapes
     calls = shapes + _encoder_shapes(model, shapes, compile_config)
+    # this CPU's fp32 linear kernels measured for every decode graph's rows, before any compiles (and before the
+    # compile cache's key: the passes' identity names the table)
+    kernel_choice.prepare(model, compile_config, [shape.batch_size * expand for shape in shapes])
     cache = contextlib.nullcontext()
     if cache_dir is not None:
         facts = {
@@ -129,6 +151,37 @@ def warmup(
     with explained_recompile_limit(len(shapes)), cache:
         _run_shapes(model, make_inputs, calls, config, compile_config, generate_kwargs, progress)
     return shapes
+
+
+def _warmup_artifact(model, make_inputs, shapes, config, compile_config, generate_kwargs, directory, progress):
+    """`warmup(..., artifact=directory)`: load the artifact of these calls, or build it and load it."""
+    if compile_config is None:
+        raise ValueError("warmup(artifact=...) needs the compile_config of the served calls")
+    caller = {
+        "graph": "generate decode steps",
+        "calls": [dataclasses.asdict(call) for call in shapes],
+        "cache_config": config.to_dict(),
+        "generate_kwargs": _settings_of(generate_kwargs),
+    }
+    facts = artifact_facts(model, compile_config, shapes=[dataclasses.astuple(call) for call in shapes], caller=caller)
+    set_artifact(model, None)
+    try:
+        loaded = load_artifact(directory, facts)
+    except ArtifactRefused as error:
+        if (Path(directory) / MANIFEST).exists() or (Path(directory).exists() and any(Path(directory).iterdir())):
+            logger.warning("compiled artifact not used, building it again: %s", error)
+        recorder = Recorder(model, compile_config)
+        set_artifact(model, recorder)
+        try:
+            with torch.no_grad():
+                _run_shapes(model, make_inputs, shapes, config, compile_config, generate_kwargs, progress)
+        finally:
+            set_artifact(model, None)
+        write_artifact(directory, facts, recorder.graphs, compile_config)
+        loaded = load_artifact(directory, facts)
+    set_artifact(model, Replayer(model, loaded))
+    logger.info("%s", loaded.describe())
+    return loaded
 
 
 def _settings_of(generate_kwargs: dict) -> dict:

@@ -56,6 +56,9 @@ class GenerateHooks:
         """The encoder outputs of `encoder_kwargs` (upstream's, for the model's encoder), where `encodes`."""
         raise NotImplementedError
 
+    def call_padded(self, model, plan, generation_config) -> None:
+        """A fixed-shape call's padded shapes are known (`plan.padding`), before anything of it runs or compiles."""
+
     def encode_padded_call(self, model, generation_config, input_name: str, model_inputs: dict, *, candidates: bool):
         """The model kwargs of a fixed-shape encoder-decoder call encoded at its own rows (its encoder outputs in
         place of `model_inputs[input_name]`), or None: the call is encoded as the policy would otherwise."""

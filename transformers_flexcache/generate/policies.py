@@ -294,6 +294,7 @@ class PaddedPolicy:
             continuation=given is not None,
             candidates=candidates,
         )
+        hooks_of(model).call_padded(model, plan, resolved)
 
         model_inputs = {key: extra[key] for key in model_kwargs if key in extra}
         # Without a main input, upstream makes placeholders from `encoder_outputs` (-100s of shape [B, L_enc]) only to

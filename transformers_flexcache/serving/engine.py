@@ -48,6 +48,7 @@ from ..compile import (
     explained_recompile_limit,
     load_artifact,
     model_facts,
+    prepare_linear_kernels,
     recompile_limit,
     write_artifact,
 )
@@ -308,6 +309,9 @@ class Engine:
                 f"{len(shapes)} decode shapes exceed {RECOMPILE_LIMIT_NAME}={limit}: set it to "
                 f"{len(shapes)} (or more) first, or list fewer sizes in cache_config['buckets']"
             )
+        # this CPU's fp32 linear kernels measured at every decode graph's rows before any compiles
+        # (`compile.kernel_choice`; a no-op where the compile config does not read them)
+        prepare_linear_kernels(self.model, self.compile_config, [rows for rows, _, _ in shapes])
         # the compiled encoder's graphs: a single row (a graph of its own where the encoder does not pack; an int8
         # model's projections share one), several rows, and an int8 model's library kernels for many
         # (`compile.encoder.encoder_graph`)

@@ -14,8 +14,10 @@ Each CPU-dependent choice (`"auto"`) is resolved here from `compile.cpu.cpu_fact
 from .decode_attention import OneQueryAttention, resolve_decode_attention
 from .fp32_linears import (
     ONEDNN_WEIGHTS,
+    LinearPlan,
     OneDNNLinears,
     OneRowLinears,
+    measured_linear_plan,
     resolve_linear_kernels,
     resolve_one_row_linears,
 )
@@ -34,9 +36,11 @@ __all__ = [
     "Int8DotProducts",
     "Int8FbgemmMatmuls",
     "Int8FloatGemms",
+    "LinearPlan",
     "OneDNNLinears",
     "OneQueryAttention",
     "OneRowLinears",
+    "measured_linear_plan",
     "resolve_decode_attention",
     "resolve_int8_linears",
     "resolve_linear_kernels",

@@ -17,6 +17,10 @@ chooses as it does"):
   both libraries read it more slowly than a plain vectorized dot product does. `OneRowLinears` makes that rewrite,
   after freezing; at two rows or more it would read the weight once per row, so it is for one row only. `"auto"`
   applies it where the CPU is not Intel's; on Intel CPUs (MKL) it is not measured yet.
+- Under `"auto"` the rule by vendor is only the default: where this CPU's kernel table (`compile.kernel_choice`)
+  holds a measured choice for a linear's (rows, in, out), that kernel runs it (`LinearPlan`): both passes are then
+  installed, each taking the linears whose choice is its own, and those measured as MKL's are left to inductor,
+  which packs them for MKL under freezing. Linears of symbolic rows (the compiled encoder) keep the rule.
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._prims_common import make_contiguous_strides_for
 
+from .. import kernel_choice
 from ..cpu import cpu_facts
-from .nodes import LIBRARY, call_node, name_new_nodes, pass_uuid, replace_node, same_type, type_hash
+from .nodes import LIBRARY, call_node, name_new_nodes, pass_uuid, replace_node
 
 LINEAR_KERNELS = ("auto", "onednn", "mkl")
 ONE_ROW_LINEARS = ("auto", "inductor", "library")
@@ -61,6 +66,62 @@ def _resolve(name: str, value: str, choices: tuple[str, ...], *, on_intel: str, 
     if value == "auto":
         return on_intel if cpu_facts().is_intel else elsewhere
     return value
+
+
+class LinearPlan:
+    """Which kernel runs each frozen fp32 linear of a graph: `base` (`"onednn"` or `"mkl"`) at any rows, `one_row`
+    (`"inductor"` or `"library"`: the base) at one row, and, where `measured`, this CPU's measured choice of the
+    shape instead wherever the table has one (`compile.kernel_choice.choice`).
+
+    Equal plans compare equal (the table may grow between two configs; their graphs are keyed apart by `key()`);
+    the cache identity of a measured plan holds the table's CPU key and choices (`kernel_choice.table_digest`)."""
+
+    __slots__ = ("base", "one_row", "measured")
+
+    def __init__(self, base: str = "onednn", one_row: str = "library", *, measured: bool = False):
+        if base not in ("onednn", "mkl") or one_row not in ("inductor", "library"):
+            raise ValueError(
+                f"LinearPlan(base={base!r}, one_row={one_row!r}): base is onednn or mkl, one_row inductor or library"
+            )
+        self.base, self.one_row, self.measured = base, one_row, measured
+
+    def kernel(self, rows, in_features: int, out_features: int) -> str:
+        """`"onednn"`, `"mkl"` or `"inductor"` for a linear of `rows` (an int, or symbolic) x `in_features` ->
+        `out_features`."""
+        if self.measured:
+            chosen = kernel_choice.choice(rows, in_features, out_features)
+            if chosen is not None and (chosen != "inductor" or rows == 1):
+                return chosen
+        if rows == 1 and self.one_row == "inductor":
+            return "inductor"
+        return self.base
+
+    def key(self) -> str:
+        measured = f"measured:{kernel_choice.table_digest()}" if self.measured else "rule"
+        return f"{self.base}-{self.one_row}-{measured}"
+
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self) and (other.base, other.one_row, other.measured) == (
+            self.base,
+            self.one_row,
+            self.measured,
+        )
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.base, self.one_row, self.measured))
+
+    def __repr__(self) -> str:
+        return f"LinearPlan({self.base!r}, {self.one_row!r}, measured={self.measured})"
+
+
+def measured_linear_plan(linear_kernels: str, one_row_linears: str) -> LinearPlan | None:
+    """The plan of `compile_config_for_cpu`'s fp32 linears: measured choices over the rule by vendor where both
+    settings are `"auto"`; None where either is set (the passes then run as set, measuring nothing)."""
+    if linear_kernels != "auto" or one_row_linears != "auto":
+        return None
+    base = resolve_linear_kernels("auto")
+    one_row = resolve_one_row_linears("auto")
+    return LinearPlan(base, one_row, measured=True)
 
 
 def _frozen_mkl_linears(graph: torch.fx.Graph):
@@ -163,8 +224,10 @@ class OneDNNLinears(CustomGraphPass):
     (upstream's generate keeps its compiled call while the config does not change).
     """
 
-    def __init__(self, *, one_row: bool = True):
+    def __init__(self, *, one_row: bool = True, plan: LinearPlan | None = None):
         self.one_row = one_row
+        # without a plan: every linear (those of one row too where `one_row`) on oneDNN
+        self.plan = plan if plan is not None else LinearPlan("onednn", "library" if one_row else "inductor")
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         weights = _parameter_placeholders(graph)
@@ -174,7 +237,8 @@ class OneDNNLinears(CustomGraphPass):
                 continue
             inputs, weight, bias = matched
             rows = inputs.meta["val"].shape[0]
-            if rows == 1 and not self.one_row:
+            out_features, in_features = weight.meta["val"].shape
+            if self.plan.kernel(rows if isinstance(rows, int) else None, in_features, out_features) != "onednn":
                 continue
             fake_mode = torch._guards.detect_fake_mode([inputs.meta["val"]])
             packed_rows = rows if isinstance(rows, int) else 0
@@ -184,13 +248,13 @@ class OneDNNLinears(CustomGraphPass):
             replace_node(graph, node, call_node, graph, fake_mode, linear, inputs, packed, bias, "none", [], "")
 
     def uuid(self) -> str:
-        return f"{pass_uuid(self)}-{self.one_row}"
+        return f"{pass_uuid(self)}-{self.plan.key()}"
 
     def __eq__(self, other) -> bool:
-        return type(other) is type(self) and other.one_row == self.one_row
+        return type(other) is type(self) and other.plan == self.plan
 
     def __hash__(self) -> int:
-        return hash((type(self), self.one_row))
+        return hash((type(self), self.plan))
 
 
 def _parameter_placeholders(graph: torch.fx.Graph) -> set:
@@ -239,8 +303,12 @@ class OneRowLinears(CustomGraphPass):
     adds. The same operations on the same values: the outputs are unchanged, bit for bit (what storing the input
     saves a step: docs/compile.md).
 
-    Run before `OneDNNLinears` (which takes the other linears). Every instance is equal, as for `OneDNNLinears`.
+    With a `plan` (`LinearPlan`), only the linears that it gives to `"inductor"` (measured or by rule); without
+    one, every frozen MKL linear of one row. Instances with equal plans are equal, as for `OneDNNLinears`.
     """
+
+    def __init__(self, plan: LinearPlan | None = None):
+        self.plan = plan
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         module = graph.owning_module
@@ -249,6 +317,8 @@ class OneRowLinears(CustomGraphPass):
         for node, (inputs, packed, weight, bias, batch_size) in _frozen_mkl_linears(graph):
             value = getattr(module, weight.target)
             if batch_size != 1 or not value.is_contiguous() or value.shape[-1] != inputs.meta["val"].shape[-1]:
+                continue
+            if self.plan is not None and self.plan.kernel(1, value.shape[1], value.shape[0]) != "inductor":
                 continue
             fake_mode = torch._guards.detect_fake_mode([inputs.meta["val"]])
             with graph.inserting_before(node):
@@ -269,6 +339,11 @@ class OneRowLinears(CustomGraphPass):
         _free_unused(graph, replaced)
         name_new_nodes(graph, before, torch.ops.aten.mm.default)  # kernels named `..._mm_...`
 
-    uuid = pass_uuid
-    __eq__ = same_type
-    __hash__ = type_hash
+    def uuid(self) -> str:
+        return pass_uuid(self) if self.plan is None else f"{pass_uuid(self)}-{self.plan.key()}"
+
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self) and other.plan == self.plan
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.plan))

@@ -195,3 +195,14 @@ def test_upstream_tests_select_by_k_and_leave_out_the_core_files_when_asked(tmp_
         core_files = ["tests/utils/test_cache_utils.py", "tests/generation"] if core else []
         assert targets == core_files + model_files
         assert (extra[-2:] == ["-k", k]) if k else ("-k" not in extra)
+
+
+def test_models_none_leaves_every_model_test_file_out_and_an_untouched_model_is_refused():
+    check_tree = load("check_tree")
+    tests = ["tests/models/t5/test_modeling_t5.py", "tests/models/bart/test_modeling_bart.py"]
+    touched = ["bart", "t5"]
+    assert check_tree.models_chosen(tests, touched, "") == tests
+    assert check_tree.models_chosen(tests, touched, "none") == []
+    assert check_tree.models_chosen(tests, touched, "bart") == ["tests/models/bart/test_modeling_bart.py"]
+    with pytest.raises(SystemExit, match="touches no model whisper"):
+        check_tree.models_chosen(tests, touched, "t5,whisper")

@@ -25,7 +25,8 @@ applied with `git am` to a clone: branch `main` is the tree, branch `series` one
   (d) with --upstream-tests: upstream's test files of every model the series touches, of cache_utils, masking_utils
       and generation, on the unpatched and the patched clone (`-n JOBS`), compared with compare_junit.py; a test that
       passes unpatched and fails (or vanishes) patched fails the step. For a run that fits the time at hand,
-      `--models m1,m2` limits its model test files to those models (each must be a model the series touches),
+      `--models m1,m2` limits its model test files to those models (each must be a model the series touches;
+      `--models none`: no model test file, cache_utils', masking_utils' and generation's files alone),
       `--upstream-tests-k EXPR` selects tests by pytest's `-k EXPR` on both sides (e.g. the generation and cache tests:
       `-k "generate or cache or past or beam or static or compile or export"`), and `--no-core-tests` leaves out
       cache_utils', masking_utils' and generation's own files; the JUnit files and logs are in the work folder
@@ -495,6 +496,19 @@ def model_test_files(tree: Tree, tip: Path) -> list[str]:
     return files
 
 
+def models_chosen(tests: list[str], touched: list[str], models: str) -> list[str]:
+    """The model test files of (d) for --models: all of `tests` when empty, none for `none`, else those of the
+    comma-separated models, each of which must be one the series touches."""
+    if not models:
+        return tests
+    chosen = [] if models == "none" else list(filter(None, models.split(",")))
+    unknown = sorted(set(chosen) - set(touched))
+    if unknown:
+        raise SystemExit(f"--models: the series touches no model {', '.join(unknown)}")
+    prefixes = tuple(f"tests/models/{model}/" for model in chosen)
+    return [path for path in tests if path.startswith(prefixes)]
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tree", required=True, type=Path, help="the reference tree (a git repository)")
@@ -518,7 +532,7 @@ def main(argv: list[str]) -> int:
         "--models",
         default="",
         help="comma-separated model types: (d) runs only these models' test files (default: every model the series "
-        "touches); each must be one the series touches",
+        "touches); each must be one the series touches; `none`: no model test file (the core files only)",
     )
     parser.add_argument("--upstream-tests-k", default="", metavar="EXPR", help="(d) selects tests by pytest's -k EXPR")
     parser.add_argument(
@@ -563,14 +577,8 @@ def main(argv: list[str]) -> int:
                 print(f"mixin tests through {len(mixin_files)} of {len(tests)} model test files (--mixin-models)")
             results += [check_patch_tests(tree, k, mixin_files) for k in range(1, len(patches) + 1)]
         if args.upstream_tests:
-            upstream_files = tests
+            upstream_files = models_chosen(tests, tree.touched_models(), args.models)
             if args.models:
-                chosen = list(filter(None, args.models.split(",")))
-                unknown = sorted(set(chosen) - set(tree.touched_models()))
-                if unknown:
-                    raise SystemExit(f"--models: the series touches no model {', '.join(unknown)}")
-                prefixes = tuple(f"tests/models/{model}/" for model in chosen)
-                upstream_files = [path for path in tests if path.startswith(prefixes)]
                 print(f"(d) through {len(upstream_files)} of {len(tests)} model test files (--models)")
             results.append(
                 check_upstream_tests(

@@ -38,7 +38,7 @@ side, the converter over the current series' 22 models and their dependents not 
 August converter's full --check_all ran over 50 minutes); (b) 4 s; (c) a few seconds for a patch without tests,
 about 5 minutes for a patch with one test in tests/utils/test_cache_utils.py (two pytest runs); (d) on the core files
 alone (`--models none`, `--jobs 2`) 8 minutes for both sides on a quieter machine (load 2 to 4); (d) on whole
-files not measured here: budget about 10 minutes a side per model test file under such a load (-n 2 helps on a free
+files not measured here: budget about 10 minutes a side per model test file at load 17 to 22 (-n 2 helps on a free
 machine); with --upstream-tests-k "(past or static or use_cache or left_padding or cache) and not compil and not quant
 and not flash" and --no-core-tests, 10 to 13 models' files took 9 to 35 minutes for both sides (--jobs 1, load 13 to
 20; the `torch.compile` tests, which that expression leaves out, take minutes each). Use

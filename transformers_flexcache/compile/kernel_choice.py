@@ -16,7 +16,7 @@ Design decisions:
   file beside the compile cache (`default_cache_dir()/../kernel-choices/<key>.json`), measured once and read by every
   later process. `prepare` fills it before a compile, for the model's linear shapes at the rows its decode graphs
   run (`warmup()` with every bucket's rows, `Engine.warmup()` with its decode shapes', a flexible compiled call with
-  its padded rows, from `hooks.CompileHooks.compiled_call`); the graph passes only read it (`choice`, through
+  its padded rows, from `hooks.CompileHooks.call_padded`); the graph passes only read it (`choice`, through
   `passes.fp32_linears.LinearPlan`), and a shape not measured keeps the rule by vendor.
 - The table of a CPU, once a shape is in it, is not measured again (delete the file to measure anew). The passes'
   cache identity (`uuid`, which inductor's FX graph cache and the package's compile cache key on) holds

@@ -16,6 +16,8 @@ Layout (one job per file):
 - `containers.py`: the self-attention, cross-attention and encoder-decoder caches.
 - `kind.py`: `CacheKind`, what tells caches apart in a pool, and `build()`.
 - `seats.py`: the serving engine's seat caches, each row ("seat") with a length of its own.
+- `state.py`: a cache's objects and tensors in one fixed order (`state_objects`, `tensor_slots`), for the compiled
+  artifacts that hand a cache to a graph as tensors.
 - `buffer_views.py`: caches over an export wrapper's buffers, built for one call of an exported program (used by
   `transformers_flexcache.export` only).
 """
@@ -35,6 +37,7 @@ from .placement import layer_specs_for_model
 from .seats import FlexibleSeatCache, FlexibleSeatEncoderDecoderCache
 from .sliding import FlexiblePaddedSlidingWindowLayer, FlexibleSlidingWindowLayer
 from .specs import layer_specs_from_config
+from .state import state_objects, tensor_slots
 
 __all__ = [
     "CacheConfig",
@@ -61,6 +64,8 @@ __all__ = [
     "layer_specs_from_config",
     "overflow_message",
     "plan_capacities",
+    "state_objects",
+    "tensor_slots",
 ]
 
 

@@ -7,7 +7,7 @@ step is upstream's loop calling the compiled forward (`PreTrainedModel.get_compi
 
 - **Building** (`Recorder`): each call of the compiled forward is run eagerly instead, and its arguments are
   described (`describe`): the pytree of its kwargs, each tensor's shape, dtype and strides, every other value, and
-  the cache's state, i.e. the tensors of the cache's objects (`cache_slots`: its storages and 0-d lengths, written
+  the cache's state, i.e. the tensors of the cache's objects (`tensor_slots`: its storages and 0-d lengths, written
   in place) and the plain values of those objects (`window_len`, `batch_size`, ...; not the pool's leases). A
   description not seen yet is exported there and then, while the cache is in that call's state (`CapturedStep`: the
   tensors in, the cache's tensors swapped in, its plain state set back after the trace); after the warm-up each
@@ -30,58 +30,17 @@ import json
 
 import torch
 from torch.utils import _pytree as pytree
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
+from ..cache import state_objects, tensor_slots
 from ..log import get_logger
 from .config import compile_settings
 
 logger = get_logger(__name__)
 
 PACKAGE_PREFIX = "transformers_flexcache"
-CACHE_PREFIX = "transformers_flexcache.cache"
 ARTIFACT_ATTRIBUTE = "_flex_generate_artifact"  # on the model: its Recorder or Replayer
 _PLAIN = (bool, int, float, str, type(None))
-
-
-def _state_objects(root) -> list:
-    """The objects of `root` (a cache) whose attributes are its state: itself and the cache objects it holds (of this
-    package's `cache/` wing, transformers' caches and cache layers), in a fixed order. Not the objects that lend it
-    (a pool's leases: their counters change from call to call and no graph reads them)."""
-
-    def ours(value) -> bool:
-        return hasattr(value, "__dict__") and (
-            type(value).__module__.startswith(CACHE_PREFIX) or isinstance(value, Cache | CacheLayerMixin)
-        )
-
-    found, seen = [], set()
-
-    def walk(obj) -> None:
-        if id(obj) in seen:
-            return
-        seen.add(id(obj))
-        found.append(obj)
-        for value in list(vars(obj).values()):
-            if isinstance(value, list | tuple):
-                for item in value:
-                    if ours(item):
-                        walk(item)
-            elif ours(value):
-                walk(value)
-
-    walk(root)
-    return found
-
-
-def cache_slots(cache) -> list[tuple[object, str]]:
-    """`(owner, attribute)` of every tensor the cache's objects (`_state_objects`) hold, once per tensor, in a fixed
-    order (as the serving engine's `exported_step.cache_slots`, over transformers' caches too)."""
-    slots, seen = [], set()
-    for obj in _state_objects(cache):
-        for name, value in list(vars(obj).items()):
-            if isinstance(value, torch.Tensor) and id(value) not in seen:
-                seen.add(id(value))
-                slots.append((obj, name))
-    return slots
 
 
 def _plain(value) -> bool:
@@ -96,9 +55,9 @@ def _plain(value) -> bool:
 
 def plain_state(cache) -> list:
     """`[[object index, attribute, value], ...]`: every plain value (numbers, strings, None, and lists or dicts of
-    them) of the cache's objects (`_state_objects`); JSON-able."""
+    them) of the cache's objects (`state_objects`); JSON-able."""
     state = []
-    for index, obj in enumerate(_state_objects(cache)):
+    for index, obj in enumerate(state_objects(cache)):
         for name, value in sorted(vars(obj).items()):
             if isinstance(value, _PLAIN):
                 state.append([index, name, value])
@@ -109,7 +68,7 @@ def plain_state(cache) -> list:
 
 def set_plain_state(cache, state: list) -> None:
     """Set the plain values `plain_state` gave (JSON's lists back to tuples, its string keys back to the keys)."""
-    objects = _state_objects(cache)
+    objects = state_objects(cache)
     for index, name, value in state:
         attributes = vars(objects[index])  # as `plain_state` read them (a property of the class may shadow one)
         current = attributes.get(name)
@@ -137,7 +96,7 @@ def describe(kwargs: dict) -> tuple[str, dict]:
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
             described.append(["tensor", list(leaf.shape), str(leaf.dtype), list(leaf.stride())])
-        elif isinstance(leaf, Cache) or type(leaf).__module__.startswith(PACKAGE_PREFIX) and cache_slots(leaf):
+        elif isinstance(leaf, Cache) or type(leaf).__module__.startswith(PACKAGE_PREFIX) and tensor_slots(leaf):
             described.append(["cache", len(caches)])
             caches.append(leaf)
         elif isinstance(leaf, torch.dtype | torch.device) or _plain(leaf):
@@ -148,7 +107,7 @@ def describe(kwargs: dict) -> tuple[str, dict]:
     for cache in caches:
         slots = [
             [type(owner).__name__, name, list(getattr(owner, name).shape), str(getattr(owner, name).dtype)]
-            for owner, name in cache_slots(cache)
+            for owner, name in tensor_slots(cache)
         ]
         cache_parts.append({"class": type(cache).__name__, "slots": slots, "state": plain_state(cache)})
     parts = {"spec": str(spec), "leaves": described, "caches": cache_parts}
@@ -173,7 +132,7 @@ def _split(kwargs: dict) -> tuple[list, list, object, list]:
     caches = [
         leaf
         for leaf in leaves
-        if isinstance(leaf, Cache) or (type(leaf).__module__.startswith(PACKAGE_PREFIX) and cache_slots(leaf))
+        if isinstance(leaf, Cache) or (type(leaf).__module__.startswith(PACKAGE_PREFIX) and tensor_slots(leaf))
     ]
     return tensors, caches, spec, leaves
 
@@ -189,7 +148,7 @@ class CapturedStep(torch.nn.Module):
         tensors, caches, self.spec, self.leaves = _split(kwargs)
         self.num_inputs = len(tensors)
         self.caches = caches
-        self.slots = [slot for cache in caches for slot in cache_slots(cache)]
+        self.slots = [slot for cache in caches for slot in tensor_slots(cache)]
         self.state_before = state_before
 
     def cache_tensors(self) -> list[torch.Tensor]:
@@ -308,7 +267,7 @@ class Replayer:
                     )
                 return compiled(**kwargs)
             tensors, caches, _, _ = _split(kwargs)
-            slots = [slot for cache in caches for slot in cache_slots(cache)]
+            slots = [slot for cache in caches for slot in tensor_slots(cache)]
             results = graph([*tensors, *(getattr(owner, name) for owner, name in slots)])
             extra = self.loaded.extras[(digest,)]
             for cache, state in zip(caches, extra["state_after"], strict=True):

@@ -34,7 +34,7 @@ from collections import deque
 import torch
 from transformers.modeling_outputs import ModelOutput
 
-from ..cache import layer_specs_for_model
+from ..cache import layer_specs_for_model, tensor_slots
 from ..cache.capacity import exceeding
 from ..cache.config import overflow_message
 from ..cache.seats import FlexibleSeatCache, FlexibleSeatEncoderDecoderCache
@@ -54,7 +54,7 @@ from ..compile import (
 )
 from ..generate.policies import POLICIES
 from ..log import get_logger
-from .exported_step import ExportedStep, cache_slots, slot_names, step_input_names
+from .exported_step import ExportedStep, slot_names, step_input_names
 from .handle import EngineClosedError, QueueFullError, RequestCancelledError, RequestHandle
 from .lockstep import HEARTBEAT_S, StepPlan, share, tensor_parallel_rank
 from .requests import check_request, engine_config
@@ -392,7 +392,7 @@ class Engine:
         with self._model_lock:
             if self.num_running:
                 raise RuntimeError("warmup() runs before serving: requests are running")
-            self.steps.load_graphs(loaded.graphs, names, cache_slots(self.cache))
+            self.steps.load_graphs(loaded.graphs, names, tensor_slots(self.cache))
         self.artifact = loaded
         if progress is not None:
             progress(len(loaded.graphs), len(loaded.graphs))

@@ -2,10 +2,10 @@
 
 `ExportedStep(runner, shape)` is what `torch.export` takes: `forward(*inputs, *cache_tensors) -> logits`, where
 `inputs` are the tensors of the step's kwargs (`StepRunner.decode_inputs`: token ids, masks, positions; in the
-order of `step_input_names`) and `cache_tensors` every tensor of the seat cache (`cache_slots`: the layers' storages
-and the seats' step state). For the call, the cache's attributes are swapped for those inputs, so that export sees
-them as inputs that the step mutates in place (the new token's keys and values), and the compiled graph then writes
-into whatever storage it is given: the engine's own, at every step.
+order of `step_input_names`) and `cache_tensors` every tensor of the seat cache (the cache wing's `tensor_slots`: the
+layers' storages and the seats' step state, in its fixed order). For the call, the cache's attributes are swapped for
+those inputs, so that export sees them as inputs that the step mutates in place (the new token's keys and values),
+and the compiled graph then writes into whatever storage it is given: the engine's own, at every step.
 
 Design decisions:
 - The step is the engine's own code path (`model(**decode_inputs(...))` on the seat cache), run by export instead of
@@ -21,42 +21,13 @@ from __future__ import annotations
 import torch
 from transformers.modeling_outputs import BaseModelOutput
 
-PACKAGE_PREFIX = "transformers_flexcache"
-
-
-def cache_slots(cache) -> list[tuple[object, str]]:
-    """`(owner, attribute)` of every tensor the seat cache `cache` holds, through the objects of this package it holds
-    (its parts, layers and their shared step state), once per tensor, in a fixed order. Not the step state's
-    per-step index views (`SeatSteps._by_device`, a dict), which `begin_decode` makes from these."""
-    slots, seen_objects, seen_tensors = [], set(), set()
-
-    def ours(value) -> bool:
-        return hasattr(value, "__dict__") and type(value).__module__.startswith(PACKAGE_PREFIX)
-
-    def walk(obj) -> None:
-        if id(obj) in seen_objects:
-            return
-        seen_objects.add(id(obj))
-        for name, value in list(vars(obj).items()):
-            if isinstance(value, torch.Tensor):
-                if id(value) not in seen_tensors:
-                    seen_tensors.add(id(value))
-                    slots.append((obj, name))
-            elif isinstance(value, list | tuple):
-                for item in value:
-                    if ours(item):
-                        walk(item)
-            elif ours(value):
-                walk(value)
-
-    walk(cache)
-    return slots
+from ..cache import tensor_slots
 
 
 def slot_names(cache) -> list[str]:
-    """A name for each slot (`cache_slots`): the owner's class and the attribute, in order (an artifact's key holds
+    """A name for each slot (`tensor_slots`): the owner's class and the attribute, in order (an artifact's key holds
     them: a graph takes its tensors in this order)."""
-    return [f"{type(owner).__name__}.{name}" for owner, name in cache_slots(cache)]
+    return [f"{type(owner).__name__}.{name}" for owner, name in tensor_slots(cache)]
 
 
 def step_input_names(runner, kwargs: dict) -> list[str]:
@@ -82,7 +53,7 @@ class ExportedStep(torch.nn.Module):
         self.shape = tuple(shape)
         self.names = list(names)
         self.runner = runner  # export traces the model's parameters through `self.model`
-        self.slots = cache_slots(runner.cache)
+        self.slots = tensor_slots(runner.cache)
 
     def cache_tensors(self) -> list[torch.Tensor]:
         return [getattr(owner, name) for owner, name in self.slots]

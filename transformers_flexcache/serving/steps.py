@@ -505,7 +505,7 @@ class StepRunner:
     def load_graphs(self, graphs: dict, input_names: list[str], slots: list) -> None:
         """Run the decode steps of the shapes of `graphs` (`{(B, W, E_W): graph}`, a compiled artifact's) with them:
         each takes the tensors of `input_names` of the step's kwargs, then the cache's tensors (`slots`,
-        `exported_step.cache_slots`). The token encoder and the projections then run eagerly: nothing is traced."""
+        the cache wing's `tensor_slots`). The token encoder and the projections then run eagerly: nothing is traced."""
         self.loaded_graphs, self.loaded_inputs, self.loaded_slots = dict(graphs), list(input_names), list(slots)
         self.compiled_encoder = None
         if self.cross_attention_projections is not None:

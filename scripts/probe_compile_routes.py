@@ -70,31 +70,6 @@ class StepInputs:
         self.engine.cache.end_step()
 
 
-def tensor_slots(root) -> list[tuple[object, str]]:
-    """`(owner, attribute)` of every tensor held by the cache object `root` and the objects of this package it holds
-    (layers, their shared step state), once per tensor object."""
-    slots, seen_objects, seen_tensors = [], set(), set()
-
-    def walk(obj):
-        if id(obj) in seen_objects:
-            return
-        seen_objects.add(id(obj))
-        for name, value in list(vars(obj).items()):
-            if isinstance(value, torch.Tensor):
-                if id(value) not in seen_tensors:
-                    seen_tensors.add(id(value))
-                    slots.append((obj, name))
-            elif isinstance(value, list | tuple):
-                for item in value:
-                    if hasattr(item, "__dict__") and type(item).__module__.startswith("transformers_flexcache"):
-                        walk(item)
-            elif hasattr(value, "__dict__") and type(value).__module__.startswith("transformers_flexcache"):
-                walk(value)
-
-    walk(root)
-    return slots
-
-
 class ExportedStep(torch.nn.Module):
     """The decode step at one shape as a module of tensors: `forward(decoder_input_ids, decoder_attention_mask,
     attention_mask, *cache_tensors) -> logits`; the cache's tensors are swapped in for the call (so that export sees
@@ -103,6 +78,8 @@ class ExportedStep(torch.nn.Module):
     def __init__(self, model, engine, shape):
         super().__init__()
         self.model, self.engine, self.shape = model, engine, shape
+        from transformers_flexcache.cache import tensor_slots
+
         self.slots = tensor_slots(engine.cache)
 
     def cache_tensors(self) -> list[torch.Tensor]:

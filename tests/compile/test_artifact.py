@@ -92,3 +92,40 @@ def test_a_missing_or_changed_graph_file_is_refused_before_anything_loads(tmp_pa
         load_artifact(tmp_path, key())
     with pytest.raises(ArtifactRefused, match="compiled for another setting: torch 2.13.0 in the artifact, 9 here"):
         load_artifact(tmp_path, key(torch="9"))
+
+
+def test_a_lazy_load_checks_the_key_now_and_each_file_at_its_first_use(tmp_path, caplog):
+    """`load_artifact(lazy=True)` (a server's): the key, the manifest and the files' sizes are checked at once; a
+    graph's bytes (SHA-256) and torch's loader at its first use or `load_next()`, where a damaged file is a warning
+    and no graph (its shape compiles), never a graph of other bytes; the other graphs are not affected."""
+    import hashlib
+    import logging
+
+    damaged, unloadable = "graphs/1_16_16.pt2", "graphs/2_16_16.pt2"
+    (tmp_path / "graphs").mkdir()
+    (tmp_path / damaged).write_bytes(b"abcd")
+    (tmp_path / unloadable).write_bytes(b"not a package")
+    files = {
+        damaged: {"shape": [1, 16, 16], "bytes": 4, "sha256": "0" * 64},  # the bytes changed since
+        unloadable: {"shape": [2, 16, 16], "bytes": 13, "sha256": hashlib.sha256(b"not a package").hexdigest()},
+    }
+    write(tmp_path, {"key": key(), "files": files})
+    with pytest.raises(ArtifactRefused, match=f"{damaged} changed since it was written"):
+        load_artifact(tmp_path, key())  # eager: refused as a whole
+    with pytest.raises(ArtifactRefused, match="compiled for another setting"):
+        load_artifact(tmp_path, key(torch="9"), lazy=True)  # the key is never deferred
+    loaded = load_artifact(tmp_path, key(), lazy=True)
+    first, second = loaded.graphs[(1, 16, 16)], loaded.graphs[(2, 16, 16)]
+    assert loaded.pending == 2 and not first.loaded and first.error is None
+    with caplog.at_level(logging.WARNING):
+        assert first.runner() is None and first.runner() is None  # checked once
+    assert f"{damaged} changed since it was written" in first.error and not first.pending
+    assert caplog.text.count("compiled artifact graph not used, compiling its shape instead") == 1
+    with pytest.raises(ArtifactRefused, match="changed since it was written"):
+        first([])  # never run
+    assert loaded.pending == 1 and loaded.load_next() and loaded.pending == 0 and not loaded.load_next()
+    assert f"{unloadable} did not load" in second.error and second.runner() is None
+    assert "0 of 2 graphs loaded" in loaded.describe()
+    with pytest.raises(ArtifactRefused, match="is missing"):
+        (tmp_path / damaged).unlink()
+        load_artifact(tmp_path, key(), lazy=True)  # a missing file: at once, as its size

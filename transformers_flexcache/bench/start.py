@@ -144,7 +144,10 @@ def start_once(folder: str, cache_dir: str, args, prompts: list[list[int]], *, a
             answer.raise_for_status()
             figures["first_answer_s"] = figures["first_answer_s"] or time.monotonic() - started
             figures["tokens"].append(answer.json()["choices"][0]["token_ids"])
-        figures["traced_after"] = httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).json()["warmup"]["traced"]
+        after = httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).json()["warmup"]
+        figures["traced_after"] = after["traced"]
+        if after.get("artifact") is not None:  # its graphs load lazily: how many had loaded after the answers
+            figures["artifact_loaded_after"] = after["artifact"]["loaded"]
     finally:
         process.send_signal(signal.SIGTERM)
         try:
@@ -173,7 +176,8 @@ def format_table(rows: list[dict]) -> str:
         artifact = row["warmup"].get("artifact")
         traced, loaded, compiled = cache.get("traced", "-"), cache.get("loaded", "-"), cache.get("compiled", "-")
         if artifact is not None:
-            traced, loaded, compiled = row["traced_after"], artifact["loaded"], 0 if artifact["loaded"] else "-"
+            loaded = row.get("artifact_loaded_after", artifact["loaded"])
+            traced, compiled = row["traced_after"], 0 if loaded else "-"
         lines.append(
             f"  {row['model']:<8} {row['start']:<7} {row['port_open_s']:>7.1f} {row['ready_s']:>8.1f} "
             f"{row['first_answer_s']:>13.1f} {row['warmup']['seconds']:>10.1f} {traced:>7} "

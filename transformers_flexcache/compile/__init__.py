@@ -61,6 +61,7 @@ _NAMES = {
     # compiled artifacts
     "ArtifactRefused": "artifact",
     "LoadedArtifact": "artifact",
+    "PackageGraph": "artifact",
     "artifact_facts": "artifact",
     "load_artifact": "artifact",
     "write_artifact": "artifact",

@@ -284,8 +284,10 @@ class Engine:
 
         Args:
             artifact (`str | os.PathLike`, *optional*): a compiled artifact folder (`save_artifact`,
-                `transformers-flexcache compile`): its graphs are loaded and nothing is compiled (the token encoder
-                then runs eagerly). A folder compiled for another key (torch, CPU, weights, shapes...), missing or
+                `transformers-flexcache compile`): its key and manifest are checked now, and its graphs are loaded
+                while the engine is idle or at their first use, whichever comes first; nothing is compiled (the token
+                encoder then runs eagerly). A graph whose file is found damaged then is a warning and a compile of its
+                shape. A folder compiled for another key (torch, CPU, weights, shapes...), missing or
                 damaged is not used: a warning says why (`artifact_refused`), and the graphs are compiled as without
                 it (with `cache_dir` where given).
             cache_dir (`str | os.PathLike`, *optional*): a compile cache folder (`compile/caching.py`): the graphs
@@ -384,7 +386,7 @@ class Engine:
         not used."""
         try:
             names = self._step_input_names()
-            loaded = load_artifact(directory, self._artifact_facts(names))
+            loaded = load_artifact(directory, self._artifact_facts(names), lazy=True)
         except (ArtifactRefused, ValueError) as error:
             self.artifact_refused = str(error)
             logger.warning("compiled artifact not used, compiling instead: %s", error)
@@ -394,6 +396,8 @@ class Engine:
                 raise RuntimeError("warmup() runs before serving: requests are running")
             self.steps.load_graphs(loaded.graphs, names, tensor_slots(self.cache))
         self.artifact = loaded
+        with self._lock:
+            self._lock.notify_all()  # an idle engine loads the graphs now (`_load_artifact_graph_when_idle`)
         if progress is not None:
             progress(len(loaded.graphs), len(loaded.graphs))
         return True
@@ -479,6 +483,8 @@ class Engine:
         try:
             with torch.no_grad():
                 while True:
+                    if self._load_artifact_graph_when_idle():
+                        continue
                     plan = self._plan() if self.is_leader else None
                     if self._rank is not None:  # every rank runs rank 0's plan
                         plan = share(plan, leader=self.is_leader)
@@ -495,6 +501,21 @@ class Engine:
             self._fail_everything(error)
             raise
 
+    def _load_artifact_graph_when_idle(self) -> bool:
+        """Load one graph of the artifact that is not loaded yet, when no request is waiting or running (True: one
+        was loaded; `compile.artifact.load_artifact(lazy=True)`). A request that comes meanwhile waits for that one
+        graph (about a second for a t5-small-sized T5's), not for the whole set."""
+        if not self._artifact_pending():
+            return False
+        with self._lock:
+            if self._has_work():
+                return False
+        with self._model_lock:
+            return self.artifact.load_next()
+
+    def _artifact_pending(self) -> bool:
+        return self.artifact is not None and self._rank is None and self.artifact.pending > 0
+
     def _claim(self, plan: StepPlan) -> None:
         """A follower takes the seats rank 0 gave each admitted request."""
         taken = {seat for _, seats in plan.admitted for seat in seats}
@@ -506,6 +527,8 @@ class Engine:
         """What the next step does: admissions (first come first served) and which running requests stop."""
         with self._lock:
             while not self._has_work():
+                if self._artifact_pending():
+                    return StepPlan()  # idle: `_run` loads a graph of the artifact, then plans again
                 if not self._lock.wait(HEARTBEAT_S if self._rank is not None else None):
                     return StepPlan()  # tensor parallel: tell the other ranks rank 0 is alive
             if self._closing and not self._workers and (not self._drain or not self._queue):

@@ -495,17 +495,19 @@ class StepRunner:
         """The decode step's forward at `shape` on `kwargs` (`decode_inputs`): the artifact's graph of that shape
         where one is loaded (`load_graphs`), else the compiled (or eager) forward."""
         graph = self.loaded_graphs.get(shape)
-        if graph is not None:
+        run = graph.runner() if graph is not None else None  # loaded at its first use; None: damaged, compile
+        if run is not None:
             inputs = [kwargs[name] for name in self.loaded_inputs]
-            logits = graph([*inputs, *(getattr(owner, name) for owner, name in self.loaded_slots)])[0]
+            logits = run([*inputs, *(getattr(owner, name) for owner, name in self.loaded_slots)])[0]
             return self.output_type(logits=logits)
         with self.compile_settings():
             return self.decode_forward(**kwargs)
 
     def load_graphs(self, graphs: dict, input_names: list[str], slots: list) -> None:
-        """Run the decode steps of the shapes of `graphs` (`{(B, W, E_W): graph}`, a compiled artifact's) with them:
-        each takes the tensors of `input_names` of the step's kwargs, then the cache's tensors (`slots`,
-        the cache wing's `tensor_slots`). The token encoder and the projections then run eagerly: nothing is traced."""
+        """Run the decode steps of the shapes of `graphs` (`{(B, W, E_W): PackageGraph}`, a compiled artifact's, each
+        loaded at its first use where it is not yet; one whose file is damaged leaves its shape to the compiled step)
+        with them: each takes the tensors of `input_names` of the step's kwargs, then the cache's tensors (`slots`, the
+        cache wing's `tensor_slots`). The token encoder and the projections then run eagerly: nothing is traced."""
         self.loaded_graphs, self.loaded_inputs, self.loaded_slots = dict(graphs), list(input_names), list(slots)
         self.compiled_encoder = None
         if self.cross_attention_projections is not None:

@@ -92,3 +92,16 @@ def test_a_missing_or_changed_graph_file_is_refused_before_anything_loads(tmp_pa
         load_artifact(tmp_path, key())
     with pytest.raises(ArtifactRefused, match="compiled for another setting: torch 2.13.0 in the artifact, 9 here"):
         load_artifact(tmp_path, key(torch="9"))
+
+
+def test_an_artifact_written_before_encoders_were_exported_is_refused_by_name():
+    caller = {"graph": "serving engine decode step", "inputs": ["decoder_input_ids"]}
+    old = key(caller=caller)
+    new = key(caller={**caller, "encoder": ["packed_encoder"]})
+    assert differences(old, new) == [
+        "the artifact holds no encoder graphs (written before encoders were exported): compile it again"
+    ]
+    assert differences(key(caller={**caller, "encoder": []}), new) == [
+        "encoder graphs [] in the artifact, ['packed_encoder'] here"
+    ]
+    assert differences(key(caller={**caller, "inputs": []}), old) == ["caller inputs differ"]

@@ -1,15 +1,18 @@
 """Compiled artifacts on the engine: `Engine.save_artifact(DIR)` once, then `Engine.warmup(artifact=DIR)` loads the
-graphs without tracing (dynamo's counters do not move, through warm-up and serving) and the requests get upstream
-generate's tokens; a damaged folder is a warning and a compile (still the right tokens), and an artifact of another
+graphs without tracing (dynamo's counters do not move, through warm-up and serving), the token encoder runs the
+artifact's graph (dynamic rows and positions: a single row, several, a length-1 input padded into a batch; one of
+length 1 alone runs eagerly, as with a compiled encoder), and the requests get upstream generate's tokens; a damaged
+folder is a warning and a compile (still the right tokens), and an artifact of another
 key (weights, torch, CPU, shapes) is refused with a message that names which.
 
-One artifact (the padded policy: one graph) is compiled for the module, with AOTInductor, and the damaged folder's
-test compiles once more: about ten minutes on a busy 2-core machine, so the module is `slow` (the key's comparison and
+One artifact (the padded policy: one decode graph, and the packed encoder's) is compiled for the module, with
+AOTInductor, and the damaged folder's test compiles once more: about ten minutes on a busy 2-core machine, so the module is `slow` (the key's comparison and
 the manifest's checks without a compile: tests/compile/test_artifact.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -38,28 +41,60 @@ def compiled(tmp_path_factory):
     folder = tmp_path_factory.mktemp("artifact") / "t5"
     with Engine(flex, cache_config=config, compile_config=compile_config_for_cpu()) as engine:
         manifest = engine.save_artifact(folder)
-    assert list(manifest["files"]) == ["graphs/4_40_16.pt2"]
+    assert sorted(manifest["files"]) == ["graphs/4_40_16.pt2", "graphs/packed_encoder.pt2"]
+    assert manifest["key"]["caller"]["encoder"] == ["packed_encoder"]
     return upstream, flex, config, folder
 
 
-def serve_stream(engine, stream) -> list:
-    handles = [engine.submit(**own_copy(inputs), seed=seed, **kwargs) for inputs, kwargs, seed in stream]
+def serve_stream(engine, stream, *, together: bool = False) -> list:
+    """The outputs of `stream`'s requests; `together`: all queued before the scheduler plans, so that those that fit
+    the seats are admitted at once (their encoders run as one batch)."""
+    with engine._lock if together else contextlib.nullcontext():  # the scheduler plans under this lock
+        handles = [engine.submit(**own_copy(inputs), seed=seed, **kwargs) for inputs, kwargs, seed in stream]
     return [handle.result(timeout=TIMEOUT) for handle in handles]
+
+
+def encoder_lengths_stream(case, lengths: list[int], *, first_seed: int) -> list:
+    """One-row, one-seat requests (greedy, sampling) of encoder inputs of `lengths` tokens."""
+    generator = torch.Generator().manual_seed(first_seed)
+    methods = [{}, {"do_sample": True, "top_k": 20}, {"min_new_tokens": 3}]
+    return [
+        (case.make_inputs(1, length, generator), {"max_new_tokens": 5, **methods[i % 3]}, first_seed + i)
+        for i, length in enumerate(lengths)
+    ]
+
+
+def request_groups(case) -> list[tuple[list, bool]]:
+    """`(requests, together)` served one group after the other: a length-1 input alone, a single row of 7, the 4
+    seats' requests of 1, 5, 12 and 3 tokens admitted together, then `request_stream`'s (beams, sampling)."""
+    alone = [encoder_lengths_stream(case, [length], first_seed=50 + length) for length in (1, 7)]
+    batch = encoder_lengths_stream(case, [1, 5, 12, 3], first_seed=70)
+    return [(requests, False) for requests in alone] + [(batch, True), (request_stream(case, num_requests=5), False)]
+
+
+def serve_groups(engine, upstream, groups) -> None:
+    """Serve `groups` (`request_groups`) and check every output against upstream generate's."""
+    expected = [[reference(upstream, inputs, kwargs, seed) for inputs, kwargs, seed in reqs] for reqs, _ in groups]
+    outputs = [serve_stream(engine, requests, together=together) for requests, together in groups]
+    for want_group, got_group in zip(expected, outputs, strict=True):
+        for want, got in zip(want_group, got_group, strict=True):
+            assert_same_output(want, got)
 
 
 def test_an_engine_loads_the_artifact_traces_nothing_and_serves_generate_s_tokens(compiled):
     upstream, flex, config, folder = compiled
     case = next(case for case in MODEL_CASES if case.name == "t5")
-    stream = request_stream(case, num_requests=5)
-    expected = [reference(upstream, inputs, kwargs, seed) for inputs, kwargs, seed in stream]
     traced = compiled_graph_count()
     with Engine(flex, cache_config=config, compile_config=compile_config_for_cpu()) as engine:
         assert engine.warmup(artifact=folder) == 1
         assert engine.artifact is not None and engine.artifact_refused is None
-        outputs = serve_stream(engine, stream)
+        serve_groups(engine, upstream, request_groups(case))
+        calls = engine.encoder_graph_calls["packed_encoder"]
     assert compiled_graph_count() == traced  # neither the warm-up nor any request traced a graph
-    for want, got in zip(expected, outputs, strict=True):
-        assert_same_output(want, got)
+    # the encoder ran in the artifact's graph: a single row of 7, the 4 rows padded to 12 (the length-1 input among
+    # them); the length-1 input alone ran eagerly (as a compiled encoder runs it)
+    assert calls[(1, 7)] >= 1 and calls[(4, 12)] == 1, calls
+    assert (1, 1) not in calls
 
 
 def test_a_damaged_artifact_is_a_warning_and_a_compile_with_the_right_tokens(compiled, tmp_path, caplog):
@@ -71,8 +106,6 @@ def test_a_damaged_artifact_is_a_warning_and_a_compile_with_the_right_tokens(com
     data[len(data) // 2] ^= 0xFF
     graph.write_bytes(bytes(data))
     case = next(case for case in MODEL_CASES if case.name == "t5")
-    stream = request_stream(case, num_requests=2)
-    expected = [reference(upstream, inputs, kwargs, seed) for inputs, kwargs, seed in stream]
     torch._dynamo.reset()
     traced = compiled_graph_count()
     with (
@@ -80,12 +113,12 @@ def test_a_damaged_artifact_is_a_warning_and_a_compile_with_the_right_tokens(com
         Engine(flex, cache_config=config, compile_config=compile_config_for_cpu()) as engine,
     ):
         assert engine.warmup(artifact=damaged) == 1
-        outputs = serve_stream(engine, stream)
+        # a cold-compiled server (compiled decode step and encoder): the artifact's requests, upstream's tokens
+        serve_groups(engine, upstream, request_groups(case))
+        assert engine.encoder_graph_calls == {}
     assert engine.artifact is None and "graphs/4_40_16.pt2 changed since it was written" in engine.artifact_refused
     assert "compiled artifact not used, compiling instead" in caplog.text
     assert compiled_graph_count() > traced  # compiled in this process instead
-    for want, got in zip(expected, outputs, strict=True):
-        assert_same_output(want, got)
 
 
 def refusal(flex, config, folder) -> str | None:

@@ -284,8 +284,9 @@ class Engine:
 
         Args:
             artifact (`str | os.PathLike`, *optional*): a compiled artifact folder (`save_artifact`,
-                `transformers-flexcache compile`): its graphs are loaded and nothing is compiled (the token encoder
-                then runs eagerly). A folder compiled for another key (torch, CPU, weights, shapes...), missing or
+                `transformers-flexcache compile`): its graphs are loaded and nothing is compiled: the decode steps,
+                and the compiled encoder side where the engine compiles it (the token encoder, an int8 model's
+                cross-attention projections; `encoder_graph_calls` counts their calls). A folder compiled for another key (torch, CPU, weights, shapes...), missing or
                 damaged is not used: a warning says why (`artifact_refused`), and the graphs are compiled as without
                 it (with `cache_dir` where given).
             cache_dir (`str | os.PathLike`, *optional*): a compile cache folder (`compile/caching.py`): the graphs
@@ -339,9 +340,10 @@ class Engine:
         return len(shapes)
 
     def save_artifact(self, directory, *, progress=None) -> dict:
-        """Compile the decode step at every shape of the policy into a compiled artifact folder `directory` (replaced
-        when it is one; `compile/artifact.py`), which `warmup(artifact=directory)` loads in a later process without
-        tracing; returns its manifest.
+        """Compile the decode step at every shape of the policy, and the compiled encoder side (`compile_config`'s
+        token encoder and an int8 model's projections, dynamic shapes: `compile/encoder_artifact.py`), into a compiled
+        artifact folder `directory` (replaced when it is one; `compile/artifact.py`), which `warmup(artifact=directory)`
+        loads in a later process without tracing; returns its manifest.
 
         Args:
             progress (`Callable[[int, int], None]`, *optional*): called with (graphs done, graphs in all).
@@ -354,6 +356,9 @@ class Engine:
         if self.compile_config is None:
             raise ValueError("save_artifact() compiles the decode step: build the engine with a compile_config")
         shapes = self.decode_shapes()
+        # the linear kernels `warmup()` measures first (`compile.kernel_choice`): the graphs are those `serve --compile`
+        # compiles, and the key's compile settings (which name the measured table) those a later warm-up sees
+        prepare_linear_kernels(self.model, self.compile_config, [rows for rows, _, _ in shapes])
         with self._model_lock, torch.no_grad():
             if self.num_running:
                 raise RuntimeError("save_artifact() runs before serving: requests are running")
@@ -363,8 +368,16 @@ class Engine:
                     names = step_input_names(self.steps, kwargs)
                     module = ExportedStep(self.steps, shape, names)
                     graphs[shape] = (module, [*(kwargs[name] for name in names), *module.cache_tensors()])
+            graphs.update(self.steps.encoder_artifact_graphs())  # the compiled encoder side, dynamic shapes
             facts = self._artifact_facts(names)
             return write_artifact(directory, facts, graphs, self.compile_config, progress=progress)
+
+    @property
+    def encoder_graph_calls(self) -> dict:
+        """The calls each encoder-side graph of the loaded artifact has run, `{name: Counter({(rows, positions):
+        calls})}` (`{}` without one)."""
+        side = self.steps.loaded_encoder_side
+        return side.calls if side is not None else {}
 
     def _step_input_names(self) -> list[str]:
         with self._model_lock, self.steps.dummy_decode(self.decode_shapes()[0]) as kwargs:
@@ -376,6 +389,7 @@ class Engine:
             "inputs": names,
             "cache": slot_names(self.cache),
             "cache_config": self.config.to_dict(),
+            "encoder": self.steps.encoder_graph_names(),
         }
         return artifact_facts(self.model, self.compile_config, shapes=self.decode_shapes(), caller=caller)
 
@@ -392,7 +406,8 @@ class Engine:
         with self._model_lock:
             if self.num_running:
                 raise RuntimeError("warmup() runs before serving: requests are running")
-            self.steps.load_graphs(loaded.graphs, names, tensor_slots(self.cache))
+            decode = {shape: loaded.graphs[shape] for shape in self.decode_shapes()}
+            self.steps.load_graphs(decode, names, tensor_slots(self.cache), loaded)
         self.artifact = loaded
         if progress is not None:
             progress(len(loaded.graphs), len(loaded.graphs))

@@ -2,12 +2,14 @@
 graphs without tracing (dynamo's counters do not move, through warm-up and serving), the token encoder runs the
 artifact's graph (dynamic rows and positions: a single row, several, a length-1 input padded into a batch; one of
 length 1 alone runs eagerly, as with a compiled encoder), and the requests get upstream generate's tokens; a damaged
-folder is a warning and a compile (still the right tokens), and an artifact of another
-key (weights, torch, CPU, shapes) is refused with a message that names which.
+folder is a warning and a compile (still the right tokens), and an artifact of another key (weights, torch, CPU,
+shapes) is refused with a message that names which. An int8 model's artifact holds its cross-attention projections
+too, and its server answers the cold-compiled int8 server's tokens.
 
 One artifact (the padded policy: one decode graph, and the packed encoder's) is compiled for the module, with
-AOTInductor, and the damaged folder's test compiles once more: about ten minutes on a busy 2-core machine, so the module is `slow` (the key's comparison and
-the manifest's checks without a compile: tests/compile/test_artifact.py).
+AOTInductor, the damaged folder's test compiles once more, and an int8 model's artifact (with its projections) is
+compiled and compared with its cold compile: minutes on a busy 2-core machine, so the module is `slow` (the key's
+comparison and the manifest's checks without a compile: tests/compile/test_artifact.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import copy
 import json
 import logging
 import shutil
+from collections import Counter
 
 import pytest
 import torch
@@ -24,7 +27,7 @@ import torch
 from tests.helpers import own_copy
 from tests.model_cases import MODEL_CASES
 from tests.serving.test_engine import TIMEOUT, assert_same_output, capacities, reference, request_stream
-from transformers_flexcache.compile import compile_config_for_cpu, compiled_graph_count
+from transformers_flexcache.compile import compile_config_for_cpu, compiled_graph_count, quantize
 from transformers_flexcache.serving import Engine
 
 pytestmark = pytest.mark.slow
@@ -95,6 +98,40 @@ def test_an_engine_loads_the_artifact_traces_nothing_and_serves_generate_s_token
     # them); the length-1 input alone ran eagerly (as a compiled encoder runs it)
     assert calls[(1, 7)] >= 1 and calls[(4, 12)] == 1, calls
     assert (1, 1) not in calls
+
+
+def test_an_int8_engine_s_artifact_runs_its_encoder_and_projections_from_the_package(tmp_path):
+    pytest.importorskip("torchao")
+    case = next(case for case in MODEL_CASES if case.name == "t5")
+    _, flex = case.build("sdpa")
+    flex = quantize(flex, "int8")
+    config = {**capacities(flex), "shape_policy": "padded"}
+    groups = request_groups(case)
+    torch._dynamo.reset()
+    with Engine(flex, cache_config=config, compile_config=compile_config_for_cpu()) as engine:
+        names = engine.steps.encoder_graph_names()
+        manifest = engine.save_artifact(tmp_path / "int8")
+        engine.warmup()  # the cold-compiled server: torch.compile of the decode step, the encoder, the projections
+        cold = [serve_stream(engine, requests, together=together) for requests, together in groups]
+    assert names[0] == "packed_encoder" and "projections" in names  # and each's `_library` twin where it has one
+    assert sorted(manifest["files"]) == sorted(["graphs/4_40_16.pt2", *(f"graphs/{name}.pt2" for name in names)])
+    traced = compiled_graph_count()
+    with Engine(flex, cache_config=config, compile_config=compile_config_for_cpu()) as engine:
+        assert engine.warmup(artifact=tmp_path / "int8") == 1 and engine.artifact_refused is None
+        loaded = [serve_stream(engine, requests, together=together) for requests, together in groups]
+        calls = engine.encoder_graph_calls
+    assert compiled_graph_count() == traced
+    # int8 tokens against the compiled int8 server's (the compiled int8 routes against eager int8, within int8's own
+    # noise: tests/compile/test_quantization.py)
+    for cold_group, loaded_group in zip(cold, loaded, strict=True):
+        for want, got in zip(cold_group, loaded_group, strict=True):
+            assert_same_output(want, got)
+    projected = sum((calls.get("projections", Counter()) + calls.get("projections_library", Counter())).values())
+    # each group's requests joined (their cross-attention keys projected in the package), but the length-1 input
+    # alone (eager, as compiled projections leave one position)
+    assert projected >= len(groups) - 1, calls
+    encoded = calls.get("packed_encoder", Counter()) + calls.get("packed_encoder_library", Counter())
+    assert encoded[(1, 7)] >= 1 and encoded[(4, 12)] == 1, calls
 
 
 def test_a_damaged_artifact_is_a_warning_and_a_compile_with_the_right_tokens(compiled, tmp_path, caplog):

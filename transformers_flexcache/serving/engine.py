@@ -13,8 +13,10 @@ Design decisions:
   step for every running request (`steps.StepRunner`, which holds the facts of the model that those need). Each row has its own positions and lengths in the seat cache.
 - Under a `compile_config`, the decode step runs at a known set of shapes: the padded policy at the capacities, the
   bucketed one at the next bucket of the seats' span, of the longest running decoder length and of the longest
-  encoder length (`CacheConfig.buckets_of`). `warmup()` compiles them all before serving; prefills and encoders run
-  eagerly.
+  encoder length (`CacheConfig.buckets_of`). `warmup()` compiles them all before serving, and the token encoder
+  (dynamic shapes, `compile/encoder.py`) where the `compile_config` compiles it; prefills run eagerly.
+  `save_artifact()` writes those graphs to a folder that `warmup(artifact=...)` loads in another process without
+  tracing (`compile/artifact.py`, `compile/encoder_artifact.py`).
 - What the engine is not: it knows nothing of HTTP, tokenization or text (the server does), and it does not grow: a
   request that can never fit is refused by `submit`, with the value, the limit and the `cache_config` that fits.
 

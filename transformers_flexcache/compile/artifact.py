@@ -153,6 +153,7 @@ class ArtifactGraph:
         dynamic_shapes: `torch.export`'s, for a graph of dynamic sizes (the encoder's); None: the inputs' shapes.
         compile_config: the settings it compiles under where they are not the artifact's (an int8 encoder's
             second compile, `compile/encoder_artifact.py`).
+        export_hint: what to do where `torch.export` refuses the module (appended to the `ValueError`).
     """
 
     module: object
@@ -160,6 +161,7 @@ class ArtifactGraph:
     extra: object = None
     dynamic_shapes: object = None
     compile_config: object = None
+    export_hint: str = ""
 
 
 def write_artifact(directory, facts: dict, graphs: dict, compile_config, *, progress=None) -> dict:
@@ -170,7 +172,8 @@ def write_artifact(directory, facts: dict, graphs: dict, compile_config, *, prog
     a tuple of sizes, or of names for a graph of dynamic sizes (`("encoder",)`); it names the graph's file.
 
     Raises:
-        ValueError: `directory` exists and is not an artifact folder (no manifest): it is left alone.
+        ValueError: `directory` exists and is not an artifact folder (no manifest): it is left alone; or
+            `torch.export` refused a graph (nothing is written).
     """
     from torch._inductor import aoti_compile_and_package
 
@@ -197,13 +200,17 @@ def write_artifact(directory, facts: dict, graphs: dict, compile_config, *, prog
             started = time.perf_counter()
             name = f"{GRAPHS}/{graph_name(shape)}.pt2"
             with torch.no_grad(), compile_settings(config):
-                program = (
-                    graph.module
-                    if isinstance(graph.module, torch.export.ExportedProgram)
-                    else torch.export.export(
-                        graph.module, tuple(graph.inputs), dynamic_shapes=graph.dynamic_shapes, strict=False
-                    )
-                )
+                program = graph.module
+                if not isinstance(program, torch.export.ExportedProgram):
+                    try:
+                        program = torch.export.export(
+                            program, tuple(graph.inputs), dynamic_shapes=graph.dynamic_shapes, strict=False
+                        )
+                    except Exception as error:  # any refusal of torch.export: say which graph, and why
+                        reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
+                        raise ValueError(
+                            f"{name}: torch.export refused it ({type(error).__name__}: {reason}){graph.export_hint}"
+                        ) from error
                 aoti_compile_and_package(program, package_path=str(staging / name), inductor_configs=options)
             files[name] = {"shape": list(shape), **({"extra": graph.extra} if graph.extra is not None else {})}
             seconds[name] = round(time.perf_counter() - started, 2)

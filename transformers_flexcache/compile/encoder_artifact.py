@@ -17,6 +17,9 @@ Design decisions:
   manifest keeps with the graph; a call beyond them (none that the engine admits) runs eagerly. `torch.export` takes
   them as `Dim`s; its example is 2 rows of 3 positions with one padding position (export specializes the sizes 0
   and 1 of its example, and sizes of its example that are equal).
+- A module that `torch.export` refuses (a float16 BART's or Marian's encoder: a branch on its states' values) fails
+  `save_artifact` with the reason before anything compiles (the encoder's graphs are exported first); such an
+  engine's artifact is one of `compile_config_for_cpu(encoder=False)`, whose encoder runs eagerly.
 - Tensors in, tensors out: the encoder's last hidden state `[B, L, d]`, the projections' keys and values flat
   (`[k_0, v_0, k_1, v_1, ...]`); the loaded graphs are wrapped back into what the compiled ones return, and count
   the shapes of their calls (`LoadedEncoderSide.calls`, `Engine.encoder_graph_calls`: what a test reads to know the
@@ -48,16 +51,23 @@ PACKED_ENCODER = "packed_encoder"
 ENCODER = "encoder"
 PROJECTIONS = "projections"
 LIBRARY = "library"  # the suffix of an int8 model's second compile (`encoder.has_int8_variants`)
+# A float16 BART's or Marian's encoder layers clamp where `torch.isfinite(states).all()` fails: a branch on data,
+# which torch.export refuses (probed: their float32 encoders, packed or not, and T5's in float16 export).
+_EXPORT_HINT = (
+    "; its encoder side cannot be in an artifact: compile the artifact with compile_config_for_cpu(encoder=False) "
+    "(its server then runs the encoder eagerly), or serve with --compile"
+)
 _PLAIN_ARGUMENTS = frozenset(
     ("input_ids", "attention_mask", "output_attentions", "output_hidden_states", "return_dict")
 )
 
 
-def encoder_graph_names(model, compile_config, projections: list | None) -> list[str]:
+def encoder_graph_names(model, compile_config, projections: list | None, *, max_positions: int) -> list[str]:
     """The names of the encoder side's graphs an artifact of `model` under `compile_config` holds (`[]` where the
-    encoder does not compile): the artifact's key holds them, so that an artifact with other ones (or none, written
-    before encoders were exported) is refused by name."""
-    if not encoder_compiles(model, compile_config):
+    encoder does not compile, or takes fewer than 2 positions: `encoder.encoder_warmup_calls`): the artifact's key
+    holds them, so that an artifact with other ones (or none, written before encoders were exported) is refused by
+    name."""
+    if not encoder_compiles(model, compile_config) or max_positions < 2:
         return []
     kinds = [PACKED_ENCODER if packs_encoder(model) else ENCODER]
     if projections and first_linear_quantized(projections[0].__self__):
@@ -97,8 +107,8 @@ def encoder_artifact_graphs(
     model, compile_config, projections: list | None, *, max_rows: int, max_positions: int
 ) -> dict[tuple, ArtifactGraph]:
     """`{(name,): ArtifactGraph}` of the encoder side's graphs (`encoder_graph_names`), for `write_artifact`."""
-    names = encoder_graph_names(model, compile_config, projections)
-    if not names or max_positions < 2:
+    names = encoder_graph_names(model, compile_config, projections, max_positions=max_positions)
+    if not names:
         return {}
     device = next(model.parameters()).device
     input_ids = torch.tensor([[4, 5, 6], [7, 8, 9]], device=device)  # [2, 3]: sizes export does not specialize
@@ -123,7 +133,9 @@ def encoder_artifact_graphs(
         else:
             module = _EncoderStates(model, packed=False)
             inputs, dynamic = [input_ids, attention_mask], ({0: rows, 1: positions}, {0: rows, 1: positions})
-        graphs[(name,)] = ArtifactGraph(module, inputs, extra=limits, dynamic_shapes=dynamic, compile_config=config)
+        graphs[(name,)] = ArtifactGraph(
+            module, inputs, extra=limits, dynamic_shapes=dynamic, compile_config=config, export_hint=_EXPORT_HINT
+        )
     return graphs
 
 
@@ -159,10 +171,13 @@ class LoadedEncoderSide:
         return {name: collections.Counter(graph.shapes) for name, graph in self.graphs.items()}
 
 
-def loaded_encoder_side(model, compile_config, projections: list | None, loaded) -> LoadedEncoderSide | None:
+def loaded_encoder_side(
+    model, compile_config, projections: list | None, loaded, *, max_positions: int
+) -> LoadedEncoderSide | None:
     """The encoder side of the artifact `loaded` (`artifact.LoadedArtifact`, whose key held
-    `encoder_graph_names(model, compile_config, projections)`); None where it holds none."""
-    names = encoder_graph_names(model, compile_config, projections)
+    `encoder_graph_names(model, compile_config, projections, max_positions=max_positions)`); None where it holds
+    none."""
+    names = encoder_graph_names(model, compile_config, projections, max_positions=max_positions)
     graphs = {name: _LoadedGraph(loaded.graphs[(name,)], loaded.extras[(name,)]) for name in names}
     if not graphs:
         return None

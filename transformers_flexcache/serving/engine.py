@@ -288,9 +288,9 @@ class Engine:
             artifact (`str | os.PathLike`, *optional*): a compiled artifact folder (`save_artifact`,
                 `transformers-flexcache compile`): its graphs are loaded and nothing is compiled: the decode steps,
                 and the compiled encoder side where the engine compiles it (the token encoder, an int8 model's
-                cross-attention projections; `encoder_graph_calls` counts their calls). A folder compiled for another key (torch, CPU, weights, shapes...), missing or
-                damaged is not used: a warning says why (`artifact_refused`), and the graphs are compiled as without
-                it (with `cache_dir` where given).
+                cross-attention projections; `encoder_graph_calls` counts their calls). A folder compiled for
+                another key (torch, CPU, weights, shapes...), missing or damaged is not used: a warning says why
+                (`artifact_refused`), and the graphs are compiled as without it (with `cache_dir` where given).
             cache_dir (`str | os.PathLike`, *optional*): a compile cache folder (`compile/caching.py`): the graphs
                 that an earlier process compiled for this model, shapes, settings, versions and CPU are loaded
                 instead of compiled, and this warm-up's are written back. `warm_start` says what it found.
@@ -351,8 +351,9 @@ class Engine:
             progress (`Callable[[int, int], None]`, *optional*): called with (graphs done, graphs in all).
 
         Raises:
-            ValueError: no `compile_config`; a model whose layers take masks of several kinds; `directory` exists
-                and is not an artifact.
+            ValueError: no `compile_config`; a model whose layers take masks of several kinds; a compiled encoder
+                that `torch.export` refuses (a float16 BART or Marian: build the engine with
+                `compile_config_for_cpu(encoder=False)`); `directory` exists and is not an artifact.
             RuntimeError: requests are running.
         """
         if self.compile_config is None:
@@ -364,13 +365,14 @@ class Engine:
         with self._model_lock, torch.no_grad():
             if self.num_running:
                 raise RuntimeError("save_artifact() runs before serving: requests are running")
-            graphs, names = {}, None
+            # the compiled encoder side first (dynamic shapes): a module that torch.export refuses fails before any
+            # decode graph compiles
+            graphs, names = dict(self.steps.encoder_artifact_graphs()), None
             for shape in shapes:
                 with self.steps.dummy_decode(shape) as kwargs:
                     names = step_input_names(self.steps, kwargs)
                     module = ExportedStep(self.steps, shape, names)
                     graphs[shape] = (module, [*(kwargs[name] for name in names), *module.cache_tensors()])
-            graphs.update(self.steps.encoder_artifact_graphs())  # the compiled encoder side, dynamic shapes
             facts = self._artifact_facts(names)
             return write_artifact(directory, facts, graphs, self.compile_config, progress=progress)
 

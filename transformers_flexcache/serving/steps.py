@@ -514,7 +514,9 @@ class StepRunner:
     def encoder_graph_names(self) -> list[str]:
         """The encoder side's graphs a compiled artifact holds (`compile.encoder_artifact`): `[]` where the encoder
         runs eagerly."""
-        return encoder_graph_names(self.model, self.compile_config, self.cross_attention_projections)
+        return encoder_graph_names(
+            self.model, self.compile_config, self.cross_attention_projections, max_positions=self.max_encoder_len
+        )
 
     def encoder_artifact_graphs(self) -> dict:
         """The encoder side's graphs for a compiled artifact (`compile.encoder_artifact.encoder_artifact_graphs`), with
@@ -536,7 +538,13 @@ class StepRunner:
         self.loaded_graphs, self.loaded_inputs, self.loaded_slots = dict(graphs), list(input_names), list(slots)
         side = None
         if loaded is not None:
-            side = loaded_encoder_side(self.model, self.compile_config, self.cross_attention_projections, loaded)
+            side = loaded_encoder_side(
+                self.model,
+                self.compile_config,
+                self.cross_attention_projections,
+                loaded,
+                max_positions=self.max_encoder_len,
+            )
         self.loaded_encoder_side = side
         self.compiled_encoder = side.encoder if side is not None else None
         if self.cross_attention_projections is not None:

@@ -129,3 +129,16 @@ def test_a_lazy_load_checks_the_key_now_and_each_file_at_its_first_use(tmp_path,
     with pytest.raises(ArtifactRefused, match="is missing"):
         (tmp_path / damaged).unlink()
         load_artifact(tmp_path, key(), lazy=True)  # a missing file: at once, as its size
+
+
+def test_an_artifact_written_before_encoders_were_exported_is_refused_by_name():
+    caller = {"graph": "serving engine decode step", "inputs": ["decoder_input_ids"]}
+    old = key(caller=caller)
+    new = key(caller={**caller, "encoder": ["packed_encoder"]})
+    assert differences(old, new) == [
+        "the artifact holds no encoder graphs (written before encoders were exported): compile it again"
+    ]
+    assert differences(key(caller={**caller, "encoder": []}), new) == [
+        "encoder graphs [] in the artifact, ['packed_encoder'] here"
+    ]
+    assert differences(key(caller={**caller, "inputs": []}), old) == ["caller inputs differ"]

@@ -1,7 +1,8 @@
 """`serve --compile --compile-cache DIR`, started twice on one folder as two processes: the first compiles while
 `/health` says "warming" with its progress, the second loads every graph the first compiled (inductor compiles
 nothing: its FX graph cache misses none) and both answer with upstream generate's tokens. And `serve --compiled DIR`
-after `transformers-flexcache compile --out DIR`: the start traces nothing, and answers the cold start's tokens.
+after `transformers-flexcache compile --out DIR`: the start traces nothing (its encoder is the artifact's too), and
+answers the cold start's tokens.
 
 The command runs as a user runs it (`python -m transformers_flexcache serve ...` on 127.0.0.1), stopped with SIGTERM;
 every wait is bounded.
@@ -121,13 +122,13 @@ def test_a_start_from_a_compiled_artifact_traces_nothing_and_answers_the_cold_st
     command += ["--out", str(tmp_path / "artifact"), "--threads", "1", *CAPACITIES, *BUCKETS]
     done = subprocess.run(command, capture_output=True, text=True, timeout=SLOW_START_TIMEOUT)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "wrote" in done.stdout and "1 graphs" in done.stdout
+    assert "wrote" in done.stdout and "2 graphs" in done.stdout  # the decode step's, the packed encoder's
 
     loaded = start_and_ask(tmp_path / "model", tmp_path / "cache", compiled=tmp_path / "artifact")
 
     warmup = loaded["after"]["warmup"]
     assert warmup["state"] == "ready" and warmup["artifact"]["refused"] is None
-    assert warmup["artifact"]["graphs"] == warmup["artifact"]["loaded"] == 1 and warmup["artifact"]["damaged"] == []
+    assert warmup["artifact"]["graphs"] == warmup["artifact"]["loaded"] == 2 and warmup["artifact"]["damaged"] == []
     assert warmup["traced"] == 0  # dynamo traced nothing in the process: neither the warm-up nor the requests
     assert cold["after"]["warmup"]["traced"] >= 2  # the cold start traced its decode step and encoder
     assert loaded["tokens"] == cold["tokens"] == expected

@@ -15,7 +15,8 @@ Behind the face:
 - `passes/`: inductor graph passes (fp32 linears, int8 linears, a decode step's attention);
 - `quantization.py`: `quantize(model, "int8")`; `cpu.py`: what the CPU can do;
 - `artifact.py`: compiled artifacts (`transformers-flexcache compile`, `serve --compiled DIR`): graphs compiled
-  once with AOTInductor, loaded by later processes without tracing; `generate_artifact.py`: those of generate's
+  once with AOTInductor, loaded by later processes without tracing; `encoder_artifact.py`: the compiled encoder
+  side's graphs in them (dynamic shapes); `generate_artifact.py`: those of generate's
   fixed-shape calls (`warmup(..., artifact=DIR)`, `bench --artifact DIR`);
 - `caching.py`: the compile cache (`--compile-cache DIR`, `warmup(..., cache_dir=DIR)`), with `fx_cache.py`,
   which lets inductor's FX graph cache take frozen graphs; `runtime.py`: what the rest reads or sets of torch's
@@ -65,6 +66,10 @@ _NAMES = {
     "artifact_facts": "artifact",
     "load_artifact": "artifact",
     "write_artifact": "artifact",
+    "ArtifactGraph": "artifact",
+    "encoder_artifact_graphs": "encoder_artifact",
+    "encoder_graph_names": "encoder_artifact",
+    "loaded_encoder_side": "encoder_artifact",
     "artifact_of": "generate_artifact",
     "set_artifact": "generate_artifact",
     # the compile cache

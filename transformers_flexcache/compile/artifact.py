@@ -103,10 +103,29 @@ def differences(found: dict, expected: dict) -> list[str]:
         elif name == "model":
             keys = sorted(key for key in set(there or {}) | set(here or {}) if (there or {}).get(key) != here.get(key))
             phrases.append(f"model {', '.join(keys)} differ")
+        elif isinstance(there, dict) and isinstance(here, dict):
+            phrases.extend(_part_differences(name, there, here))
         elif isinstance(there, dict | list) or isinstance(here, dict | list):
             phrases.append(f"{name} differ")
         else:
             phrases.append(f"{name} {there} in the artifact, {here} here")
+    return phrases
+
+
+def _part_differences(name: str, there: dict, here: dict) -> list[str]:
+    """The parts of a fact of several (the caller's) that differ; the encoder's graphs with the reason."""
+    phrases = []
+    for key in sorted(set(there) | set(here)):
+        if there.get(key) == here.get(key):
+            continue
+        if key == "encoder" and "encoder" not in there:
+            phrases.append(
+                "the artifact holds no encoder graphs (written before encoders were exported): compile it again"
+            )
+        elif key == "encoder":
+            phrases.append(f"encoder graphs {there.get(key)} in the artifact, {here.get(key)} here")
+        else:
+            phrases.append(f"{name} {key} differ")
     return phrases
 
 
@@ -128,14 +147,38 @@ def graph_name(shape) -> str:
     return "_".join(str(size) for size in shape)
 
 
+@dataclasses.dataclass
+class ArtifactGraph:
+    """One graph of an artifact, to be exported (unless `module` is an `ExportedProgram` already) and compiled.
+
+    Args:
+        module: the module (or its `ExportedProgram`).
+        inputs: its example inputs (a list of tensors).
+        extra: JSON-able, kept in the manifest for the loader (`LoadedArtifact.extras`).
+        dynamic_shapes: `torch.export`'s, for a graph of dynamic sizes (the encoder's); None: the inputs' shapes.
+        compile_config: the settings it compiles under where they are not the artifact's (an int8 encoder's
+            second compile, `compile/encoder_artifact.py`).
+        export_hint: what to do where `torch.export` refuses the module (appended to the `ValueError`).
+    """
+
+    module: object
+    inputs: list
+    extra: object = None
+    dynamic_shapes: object = None
+    compile_config: object = None
+    export_hint: str = ""
+
+
 def write_artifact(directory, facts: dict, graphs: dict, compile_config, *, progress=None) -> dict:
-    """Export and compile each graph of `graphs` (`{shape: (module or its ExportedProgram, example_inputs)}`, or `(module, example_inputs,
-    extra)` with a JSON-able `extra` kept in the manifest for the loader, `LoadedArtifact.extras`) with AOTInductor
-    under the settings of `compile_config`, into the folder `directory` (replaced as a whole when it exists); returns
-    the manifest.
+    """Export and compile each graph of `graphs` (`{shape: ArtifactGraph}`, or `{shape: (module or its
+    ExportedProgram, example_inputs)}`, or `(module, example_inputs, extra)` with a JSON-able `extra` kept in the
+    manifest for the loader, `LoadedArtifact.extras`) with AOTInductor under the settings of `compile_config` (or the
+    graph's own), into the folder `directory` (replaced as a whole when it exists); returns the manifest. A shape is
+    a tuple of sizes, or of names for a graph of dynamic sizes (`("encoder",)`); it names the graph's file.
 
     Raises:
-        ValueError: `directory` exists and is not an artifact folder (no manifest): it is left alone.
+        ValueError: `directory` exists and is not an artifact folder (no manifest): it is left alone; or
+            `torch.export` refused a graph (nothing is written).
     """
     from torch._inductor import aoti_compile_and_package
 
@@ -152,21 +195,29 @@ def write_artifact(directory, facts: dict, graphs: dict, compile_config, *, prog
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         (staging / GRAPHS).mkdir()
-        options = dict(getattr(compile_config, "options", None) or {})
         files, seconds = {}, {}
         if progress is not None:
             progress(0, len(graphs))
-        for done, (shape, (module, inputs, *extra)) in enumerate(graphs.items(), start=1):
+        for done, (shape, graph) in enumerate(graphs.items(), start=1):
+            graph = graph if isinstance(graph, ArtifactGraph) else ArtifactGraph(*graph)
+            config = graph.compile_config if graph.compile_config is not None else compile_config
+            options = dict(getattr(config, "options", None) or {})
             started = time.perf_counter()
             name = f"{GRAPHS}/{graph_name(shape)}.pt2"
-            with torch.no_grad(), compile_settings(compile_config):
-                program = (
-                    module
-                    if isinstance(module, torch.export.ExportedProgram)
-                    else torch.export.export(module, tuple(inputs), strict=False)
-                )
+            with torch.no_grad(), compile_settings(config):
+                program = graph.module
+                if not isinstance(program, torch.export.ExportedProgram):
+                    try:
+                        program = torch.export.export(
+                            program, tuple(graph.inputs), dynamic_shapes=graph.dynamic_shapes, strict=False
+                        )
+                    except Exception as error:  # any refusal of torch.export: say which graph, and why
+                        reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
+                        raise ValueError(
+                            f"{name}: torch.export refused it ({type(error).__name__}: {reason}){graph.export_hint}"
+                        ) from error
                 aoti_compile_and_package(program, package_path=str(staging / name), inductor_configs=options)
-            files[name] = {"shape": list(shape), **({"extra": extra[0]} if extra else {})}
+            files[name] = {"shape": list(shape), **({"extra": graph.extra} if graph.extra is not None else {})}
             seconds[name] = round(time.perf_counter() - started, 2)
             if progress is not None:
                 progress(done, len(graphs))

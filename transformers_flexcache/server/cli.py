@@ -12,9 +12,9 @@ Design decisions:
   counts the graphs on the terminal), so that no request pays a compile; each combination of buckets is one graph.
   Without `--buckets`, the engine's default buckets (`serving/buckets.py`: one seat and half the seats, half of each
   length; 12 graphs at most).
-- `--compiled DIR` (implies `--compile`): the decode steps come from a compiled artifact folder that
-  `transformers-flexcache compile` wrote (`compile/artifact.py`): loaded in a fraction of a second, nothing traced;
-  the token encoder then runs eagerly. A folder compiled for other capacities, buckets, weights, torch or CPU, or a
+- `--compiled DIR` (implies `--compile`): the decode steps and the compiled token encoder (with an int8 model's
+  cross-attention projections) come from a compiled artifact folder that `transformers-flexcache compile` wrote
+  (`compile/artifact.py`, `compile/encoder_artifact.py`): loaded in a fraction of a second, nothing traced. A folder compiled for other capacities, buckets, weights, torch or CPU, or a
   damaged one, is not used: a warning says why, and the server compiles as `--compile` does.
 - `--compile-cache DIR` (default: the user's cache directory, `compile.caching.default_cache_dir()`; `none` for
   none): the graphs compiled by an earlier start with the same model, shapes, settings, versions and CPU are loaded
@@ -121,8 +121,8 @@ def _serve_parser() -> argparse.ArgumentParser:
 
 
 def run_compile(args, parser=None) -> int:
-    """The `compile` command: the engine `serve --compile` builds with these flags, its decode steps written to
-    `--out` (`Engine.save_artifact`); returns the exit status."""
+    """The `compile` command: the engine `serve --compile` builds with these flags, its decode steps and compiled
+    encoder side written to `--out` (`Engine.save_artifact`); returns the exit status."""
     import time
 
     import torch
@@ -142,7 +142,9 @@ def run_compile(args, parser=None) -> int:
         return 2
     started = time.perf_counter()
     shapes = engine.decode_shapes()
-    print(f"compiling {len(shapes)} decode shapes of {args.model_dir} into {args.out}", flush=True)
+    encoder = engine.steps.encoder_graph_names()
+    encoder = f" and {', '.join(encoder)}" if encoder else ""
+    print(f"compiling {len(shapes)} decode shapes{encoder} of {args.model_dir} into {args.out}", flush=True)
     try:
         manifest = engine.save_artifact(args.out, progress=lambda done, total: print(f"  {done}/{total}", flush=True))
     except (ValueError, RuntimeError) as error:

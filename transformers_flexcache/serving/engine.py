@@ -13,8 +13,10 @@ Design decisions:
   step for every running request (`steps.StepRunner`, which holds the facts of the model that those need). Each row has its own positions and lengths in the seat cache.
 - Under a `compile_config`, the decode step runs at a known set of shapes: the padded policy at the capacities, the
   bucketed one at the next bucket of the seats' span, of the longest running decoder length and of the longest
-  encoder length (`CacheConfig.buckets_of`). `warmup()` compiles them all before serving; prefills and encoders run
-  eagerly.
+  encoder length (`CacheConfig.buckets_of`). `warmup()` compiles them all before serving, and the token encoder
+  (dynamic shapes, `compile/encoder.py`) where the `compile_config` compiles it; prefills run eagerly.
+  `save_artifact()` writes those graphs to a folder that `warmup(artifact=...)` loads in another process without
+  tracing (`compile/artifact.py`, `compile/encoder_artifact.py`).
 - What the engine is not: it knows nothing of HTTP, tokenization or text (the server does), and it does not grow: a
   request that can never fit is refused by `submit`, with the value, the limit and the `cache_config` that fits.
 
@@ -284,12 +286,13 @@ class Engine:
 
         Args:
             artifact (`str | os.PathLike`, *optional*): a compiled artifact folder (`save_artifact`,
-                `transformers-flexcache compile`): its key and manifest are checked now, and its graphs are loaded
-                while the engine is idle or at their first use, whichever comes first; nothing is compiled (the token
-                encoder then runs eagerly). A graph whose file is found damaged then is a warning and a compile of its
-                shape. A folder compiled for another key (torch, CPU, weights, shapes...), missing or
-                damaged is not used: a warning says why (`artifact_refused`), and the graphs are compiled as without
-                it (with `cache_dir` where given).
+                `transformers-flexcache compile`): nothing is compiled. Its key and the compiled encoder side (the
+                token encoder, an int8 model's cross-attention projections, where the engine compiles them;
+                `encoder_graph_calls` counts their calls) are checked and loaded now; its decode graphs while the
+                engine is idle or at their first use, whichever comes first, and one whose file is found damaged then
+                is a warning and a compile of its shape. A folder compiled for another key (torch, CPU, weights,
+                shapes...), missing, or whose encoder side is damaged is not used: a warning says why
+                (`artifact_refused`), and the graphs are compiled as without it (with `cache_dir` where given).
             cache_dir (`str | os.PathLike`, *optional*): a compile cache folder (`compile/caching.py`): the graphs
                 that an earlier process compiled for this model, shapes, settings, versions and CPU are loaded
                 instead of compiled, and this warm-up's are written back. `warm_start` says what it found.
@@ -341,25 +344,32 @@ class Engine:
         return len(shapes)
 
     def save_artifact(self, directory, *, progress=None) -> dict:
-        """Compile the decode step at every shape of the policy into a compiled artifact folder `directory` (replaced
-        when it is one; `compile/artifact.py`), which `warmup(artifact=directory)` loads in a later process without
-        tracing; returns its manifest.
+        """Compile the decode step at every shape of the policy, and the compiled encoder side (`compile_config`'s
+        token encoder and an int8 model's projections, dynamic shapes: `compile/encoder_artifact.py`), into a compiled
+        artifact folder `directory` (replaced when it is one; `compile/artifact.py`), which `warmup(artifact=directory)`
+        loads in a later process without tracing; returns its manifest.
 
         Args:
             progress (`Callable[[int, int], None]`, *optional*): called with (graphs done, graphs in all).
 
         Raises:
-            ValueError: no `compile_config`; a model whose layers take masks of several kinds; `directory` exists
-                and is not an artifact.
+            ValueError: no `compile_config`; a model whose layers take masks of several kinds; a compiled encoder
+                that `torch.export` refuses (a float16 BART or Marian: build the engine with
+                `compile_config_for_cpu(encoder=False)`); `directory` exists and is not an artifact.
             RuntimeError: requests are running.
         """
         if self.compile_config is None:
             raise ValueError("save_artifact() compiles the decode step: build the engine with a compile_config")
         shapes = self.decode_shapes()
+        # the linear kernels `warmup()` measures first (`compile.kernel_choice`): the graphs are those `serve --compile`
+        # compiles, and the key's compile settings (which name the measured table) those a later warm-up sees
+        prepare_linear_kernels(self.model, self.compile_config, [rows for rows, _, _ in shapes])
         with self._model_lock, torch.no_grad():
             if self.num_running:
                 raise RuntimeError("save_artifact() runs before serving: requests are running")
-            graphs, names = {}, None
+            # the compiled encoder side first (dynamic shapes): a module that torch.export refuses fails before any
+            # decode graph compiles
+            graphs, names = dict(self.steps.encoder_artifact_graphs()), None
             for shape in shapes:
                 with self.steps.dummy_decode(shape) as kwargs:
                     names = step_input_names(self.steps, kwargs)
@@ -367,6 +377,13 @@ class Engine:
                     graphs[shape] = (module, [*(kwargs[name] for name in names), *module.cache_tensors()])
             facts = self._artifact_facts(names)
             return write_artifact(directory, facts, graphs, self.compile_config, progress=progress)
+
+    @property
+    def encoder_graph_calls(self) -> dict:
+        """The calls each encoder-side graph of the loaded artifact has run, `{name: Counter({(rows, positions):
+        calls})}` (`{}` without one)."""
+        side = self.steps.loaded_encoder_side
+        return side.calls if side is not None else {}
 
     def _step_input_names(self) -> list[str]:
         with self._model_lock, self.steps.dummy_decode(self.decode_shapes()[0]) as kwargs:
@@ -378,6 +395,7 @@ class Engine:
             "inputs": names,
             "cache": slot_names(self.cache),
             "cache_config": self.config.to_dict(),
+            "encoder": self.steps.encoder_graph_names(),
         }
         return artifact_facts(self.model, self.compile_config, shapes=self.decode_shapes(), caller=caller)
 
@@ -387,6 +405,10 @@ class Engine:
         try:
             names = self._step_input_names()
             loaded = load_artifact(directory, self._artifact_facts(names), lazy=True)
+            decode_shapes = set(self.decode_shapes())
+            for shape, graph in loaded.graphs.items():
+                if shape not in decode_shapes:  # the encoder side: every request needs it, checked and loaded now
+                    graph.load()
         except (ArtifactRefused, ValueError) as error:
             self.artifact_refused = str(error)
             logger.warning("compiled artifact not used, compiling instead: %s", error)
@@ -394,7 +416,8 @@ class Engine:
         with self._model_lock:
             if self.num_running:
                 raise RuntimeError("warmup() runs before serving: requests are running")
-            self.steps.load_graphs(loaded.graphs, names, tensor_slots(self.cache))
+            decode = {shape: loaded.graphs[shape] for shape in self.decode_shapes()}
+            self.steps.load_graphs(decode, names, tensor_slots(self.cache), loaded)
         self.artifact = loaded
         with self._lock:
             self._lock.notify_all()  # an idle engine loads the graphs now (`_load_artifact_graph_when_idle`)

@@ -32,7 +32,15 @@ import torch
 from transformers.modeling_outputs import BaseModelOutput, CausalLMOutputWithPast, Seq2SeqLMOutput
 
 from ..cache.placement import KEY_PROJECTION_NAMES, attention_modules, cross_attention_projections
-from ..compile import compile_settings, compiled_encoder, cross_attention_projector, encoder_compiles
+from ..compile import (
+    compile_settings,
+    compiled_encoder,
+    cross_attention_projector,
+    encoder_artifact_graphs,
+    encoder_compiles,
+    encoder_graph_names,
+    loaded_encoder_side,
+)
 from ..generate.policies import POLICIES
 from .requests import pad_token_id_of
 from .worker import RequestWorker
@@ -151,6 +159,7 @@ class StepRunner:
         self.loaded_graphs: dict = {}
         self.loaded_inputs: list[str] = []
         self.loaded_slots: list = []
+        self.loaded_encoder_side = None  # its encoder side's graphs (`compile.encoder_artifact.LoadedEncoderSide`)
 
     # --- the model's facts --------------------------------------------------------------------------------------
     def _mask_kinds(self, own) -> dict:
@@ -503,16 +512,48 @@ class StepRunner:
         with self.compile_settings():
             return self.decode_forward(**kwargs)
 
-    def load_graphs(self, graphs: dict, input_names: list[str], slots: list) -> None:
+    def encoder_graph_names(self) -> list[str]:
+        """The encoder side's graphs a compiled artifact holds (`compile.encoder_artifact`): `[]` where the encoder
+        runs eagerly."""
+        return encoder_graph_names(
+            self.model, self.compile_config, self.cross_attention_projections, max_positions=self.max_encoder_len
+        )
+
+    def encoder_artifact_graphs(self) -> dict:
+        """The encoder side's graphs for a compiled artifact (`compile.encoder_artifact.encoder_artifact_graphs`), with
+        dynamic rows and positions up to the engine's capacities."""
+        return encoder_artifact_graphs(
+            self.model,
+            self.compile_config,
+            self.cross_attention_projections,
+            max_rows=self.max_batch_size,
+            max_positions=self.max_encoder_len,
+        )
+
+    def load_graphs(self, graphs: dict, input_names: list[str], slots: list, loaded=None) -> None:
         """Run the decode steps of the shapes of `graphs` (`{(B, W, E_W): PackageGraph}`, a compiled artifact's, each
         loaded at its first use where it is not yet; one whose file is damaged leaves its shape to the compiled step)
         with them: each takes the tensors of `input_names` of the step's kwargs, then the cache's tensors (`slots`, the
-        cache wing's `tensor_slots`). The token encoder and the projections then run eagerly: nothing is traced."""
+        cache wing's `tensor_slots`). The token encoder and an int8 model's projections run the encoder side's graphs
+        of the artifact `loaded` (`compile.encoder_artifact.loaded_encoder_side`), or eagerly where it holds none:
+        nothing is traced."""
         self.loaded_graphs, self.loaded_inputs, self.loaded_slots = dict(graphs), list(input_names), list(slots)
-        self.compiled_encoder = None
+        side = None
+        if loaded is not None:
+            side = loaded_encoder_side(
+                self.model,
+                self.compile_config,
+                self.cross_attention_projections,
+                loaded,
+                max_positions=self.max_encoder_len,
+            )
+        self.loaded_encoder_side = side
+        self.compiled_encoder = side.encoder if side is not None else None
         if self.cross_attention_projections is not None:
-            self.project_cross_attention = cross_attention_projector(
-                self.model, None, self.cross_attention_projections
+            self.project_cross_attention = (
+                side.project
+                if side is not None and side.project is not None
+                else cross_attention_projector(self.model, None, self.cross_attention_projections)
             )
 
     def _capacities(self) -> dict[str, int]:

@@ -20,10 +20,12 @@ Design decisions:
   `passes.fp32_linears.LinearPlan`), and a shape not measured keeps the rule by vendor.
 - The table of a CPU, once a shape is in it, is not measured again (delete the file to measure anew). The passes'
   cache identity (`uuid`, which inductor's FX graph cache and the package's compile cache key on) holds
-  `table_digest()`: the CPU key and every choice of the table, so that a graph compiled on other choices (another
-  table, a table measured anew) is never loaded for this one. The cost: a table that grows (new rows measured) keys
-  the graphs of its earlier shapes anew, one compile more where they are not in the cache under the new key; for
-  that `prepare` measures every row of a warm-up before anything compiles.
+  `table_digest()` of the choices that change what the plan runs (`LinearPlan.key`: the shapes whose measured kernel
+  differs from the plan's rule), and the CPU key, so that a graph compiled on other choices (another table, a table
+  measured anew) is never loaded for this one. Two tables that differ only in shapes measured to keep the rule run
+  every linear on the same kernel, and key their graphs alike: a table that grows as other models' or buckets'
+  shapes are measured no longer keys every earlier graph anew (a warm compile cache recompiled most graphs of
+  `bench`'s default run for that: the cold run measured each model's shapes as it went).
 - With the compile artifact (`compile/artifact.py`, not changed here): the choices its graphs were compiled on are
   the table at `table_path()` (file name `table_key()`, a hash of the CPU facts, torch and threads; folder
   `TRANSFORMERS_FLEXCACHE_KERNEL_CHOICES` or `default_cache_dir()/../kernel-choices`); its graphs hold the kernels
@@ -69,11 +71,19 @@ def table_key() -> str:
     return _key()
 
 
-def table_digest() -> str:
-    """`"<table_key()>-<hash of every shape's choice>"`: what the passes' cache identity holds (module docstring)."""
-    choices = {key: entry.get("choice") for key, entry in sorted(_table().items())}
+def table_digest(choices: dict | None = None) -> str:
+    """`"<table_key()>-<hash of choices>"`: what the passes' cache identity holds (module docstring). `choices`:
+    `{shape_key: kernel}` (by default every shape's choice of the table; `LinearPlan.key` gives those where the
+    table changes what the plan runs)."""
+    if choices is None:
+        choices = {key: entry.get("choice") for key, entry in _table().items()}
     contents = hashlib.sha256(json.dumps(choices, sort_keys=True).encode()).hexdigest()[:16]
     return f"{table_key()}-{contents}"
+
+
+def measured_shapes() -> list[tuple[int, int, int]]:
+    """`(rows, in_features, out_features)` of every shape in this process's table."""
+    return [tuple(int(size) for size in key.split("x")) for key in sorted(_table())]
 
 
 def table_path() -> Path:

@@ -92,13 +92,22 @@ class LinearPlan:
             chosen = kernel_choice.choice(rows, in_features, out_features)
             if chosen is not None and (chosen != "inductor" or rows == 1):
                 return chosen
-        if rows == 1 and self.one_row == "inductor":
-            return "inductor"
-        return self.base
+        return self._rule(rows)
+
+    def _rule(self, rows) -> str:
+        return "inductor" if rows == 1 and self.one_row == "inductor" else self.base
 
     def key(self) -> str:
-        measured = f"measured:{kernel_choice.table_digest()}" if self.measured else "rule"
-        return f"{self.base}-{self.one_row}-{measured}"
+        """The plan's cache identity: its settings and, where measured, the table's CPU key and the shapes on which
+        the table's choice differs from the plan's rule (the only ones where the table changes a kernel)."""
+        if not self.measured:
+            return f"{self.base}-{self.one_row}-rule"
+        overruled = {}
+        for rows, k, n in kernel_choice.measured_shapes():
+            kernel = self.kernel(rows, k, n)
+            if kernel != self._rule(rows):
+                overruled[kernel_choice.shape_key(rows, k, n)] = kernel
+        return f"{self.base}-{self.one_row}-measured:{kernel_choice.table_digest(overruled)}"
 
     def __eq__(self, other) -> bool:
         return type(other) is type(self) and (other.base, other.one_row, other.measured) == (

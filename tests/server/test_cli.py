@@ -138,6 +138,26 @@ def test_a_compiled_server_warms_up_every_bucket_and_answers_with_generates_toke
     assert response.choices[0].model_extra["token_ids"] == expected[0]
 
 
+def test_eager_encoder_compiles_the_decode_step_only_and_keys_the_artifact_apart(tmp_path):
+    """`--eager-encoder` (a float16 BART's or Marian's way to an artifact): the engine's compile config leaves the
+    encoder eager, so its artifact holds no encoder graph, and the key says so: an artifact of either kind is refused
+    by the other, by name."""
+    save_checkpoint("t5", tmp_path)
+    model, tokenizer, _ = cli.load_checkpoint(str(tmp_path))
+    base = {"compile": True, "max_batch_size": 2, "max_cache_len": 16, "max_encoder_len": 16}
+    eager = cli.build_engine(flags(**base, eager_encoder=True), model, tokenizer)
+    compiled = cli.build_engine(flags(**base), model, tokenizer)
+    try:
+        assert eager.compile_config.compile_encoder is False and compiled.compile_config.compile_encoder is True
+        assert eager.steps.encoder_graph_names() == [] and compiled.steps.encoder_graph_names() == ["packed_encoder"]
+    finally:
+        eager.close()
+        compiled.close()
+    parser = argparse.ArgumentParser()
+    cli.add_compile_arguments(parser)
+    assert parser.parse_args(["unused", "--out", "x", "--eager-encoder"]).eager_encoder is True
+
+
 def test_build_app_is_what_the_command_serves(checkpoint):
     # The tests' servers use the command's loader: the same override class and tokenizer.
     app = build_app(checkpoint, cache_config={"max_batch_size": 1, "max_cache_len": 8})

@@ -54,8 +54,9 @@ LIBRARY = "library"  # the suffix of an int8 model's second compile (`encoder.ha
 # A float16 BART's or Marian's encoder layers clamp where `torch.isfinite(states).all()` fails: a branch on data,
 # which torch.export refuses (probed: their float32 encoders, packed or not, and T5's in float16 export).
 _EXPORT_HINT = (
-    "; its encoder side cannot be in an artifact: compile the artifact with compile_config_for_cpu(encoder=False) "
-    "(its server then runs the encoder eagerly), or serve with --compile"
+    "; its encoder side cannot be in an artifact: compile the artifact with --eager-encoder (in Python: "
+    "compile_config_for_cpu(encoder=False)) and serve it with --eager-encoder too (its server then runs the encoder "
+    "eagerly), or serve with --compile"
 )
 _PLAIN_ARGUMENTS = frozenset(
     ("input_ids", "attention_mask", "output_attentions", "output_hidden_states", "return_dict")

@@ -80,6 +80,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="compile the decode step (inductor, bucketed shapes, every bucket compiled before serving)",
     )
     parser.add_argument(
+        "--eager-encoder",
+        action="store_true",
+        help="with --compile, --compiled or the compile command: run the token encoder eagerly, compile the decode "
+        "step only (compile_config_for_cpu(encoder=False)); for a model whose encoder cannot be exported into an "
+        "artifact (a float16 BART or Marian)",
+    )
+    parser.add_argument(
         "--buckets",
         type=json.loads,
         help='with --compile: the sizes each shape is rounded up to, as JSON, e.g. \'{"max_batch_size": [4], '
@@ -110,7 +117,14 @@ def add_compile_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_dir", metavar="PATH", help="a checkpoint folder (save_pretrained) with its tokenizer")
     parser.add_argument("--out", metavar="DIR", required=True, help="the folder to write (replaced if an artifact)")
     for action in _serve_parser()._actions:
-        if action.dest in ("max_batch_size", "max_cache_len", "max_encoder_len", "buckets", "threads"):
+        if action.dest in (
+            "max_batch_size",
+            "max_cache_len",
+            "max_encoder_len",
+            "buckets",
+            "threads",
+            "eager_encoder",
+        ):
             parser._add_action(action)
 
 
@@ -268,7 +282,7 @@ def build_engine(args, model, tokenizer):
     from ..compile import compile_config_for_cpu, raise_recompile_limits
     from ..serving import Engine
 
-    compile_config = compile_config_for_cpu() if args.compile else None
+    compile_config = compile_config_for_cpu(encoder=not args.eager_encoder) if args.compile else None
     try:
         engine = Engine(
             model,

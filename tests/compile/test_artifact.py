@@ -142,3 +142,24 @@ def test_an_artifact_written_before_encoders_were_exported_is_refused_by_name():
         "encoder graphs [] in the artifact, ['packed_encoder'] here"
     ]
     assert differences(key(caller={**caller, "inputs": []}), old) == ["caller inputs differ"]
+
+
+def test_loading_a_graph_registers_the_package_s_ops_first(tmp_path):
+    """An int8 model's graphs call the package's own ops (`transformers_flexcache::int8_fbgemm_mm`); torch's loader
+    refuses a package whose ops are not registered ("Could not find schema"), which a fresh process that loads an
+    artifact (and compiles nothing) had not done. Run in a new interpreter, so that no other test registered them."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch\n"
+        "from pathlib import Path\n"
+        "from transformers_flexcache.compile import PackageGraph\n"
+        "assert not hasattr(torch.ops.transformers_flexcache, 'int8_fbgemm_mm')\n"
+        f"graph = PackageGraph(Path({str(tmp_path)!r}), 'graphs/absent.pt2', {{}})\n"
+        "assert graph.runner() is None and 'is missing' in graph.error\n"
+        "assert hasattr(torch.ops.transformers_flexcache, 'int8_fbgemm_mm')\n"
+        "assert hasattr(torch.ops.transformers_flexcache, 'int8_dot_products')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

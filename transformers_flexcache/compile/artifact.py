@@ -261,6 +261,10 @@ class PackageGraph:
 
     def load(self) -> None:
         """Check and load the file now. Raises ArtifactRefused: changed since it was written, or refused by torch."""
+        # the package's own ops that compiled graphs call (`transformers_flexcache::int8_fbgemm_mm`, ...) are registered
+        # when the passes' modules are imported: a fresh process (`serve --compiled` of an int8 model) has not yet
+        from . import passes  # noqa: F401
+
         path = self.root / self.name
         if not path.is_file():
             raise ArtifactRefused(f"{self.root}: {self.name} is missing")

@@ -299,7 +299,8 @@ def child(args) -> int:
     route, path = args.child.split(":", 1)
     started = time.perf_counter()
     if route == "B":
-        import transformers_flexcache.compile.passes  # noqa: F401  (the package's ops an int8 graph calls)
+        from transformers_flexcache.compile import resolve_int8_linears  # noqa: F401  (imports the passes, which
+        # register the package's ops that an int8 graph calls)
 
         loader = torch._C._aoti.AOTIModelPackageLoader(path, "model", False, 1, -1)
         print(json.dumps({"load_s": time.perf_counter() - started, "call_spec": len(loader.get_call_spec())}))

@@ -42,8 +42,9 @@ side, the converter over the current series' 22 models and their dependents not 
 August converter's full --check_all ran over 50 minutes); (b) 4 s; (c) a few seconds for a patch without tests,
 about 5 minutes for a patch with one test in tests/utils/test_cache_utils.py (two pytest runs); (d) on the core files
 alone (`--models none`, `--jobs 2`) 8 minutes for both sides on a quieter machine (load 2 to 4); (d) on whole
-files not measured here: budget about 10 minutes a side per model test file at load 17 to 22 (-n 2 helps on a free
-machine); with --upstream-tests-k "(past or static or use_cache or left_padding or cache) and not compil and not quant
+model test files with --patched-first, --jobs 1 on one core of an AMD EPYC Zen 5 (load 2 to 4.5): 10 files of the
+family in 9 to 10 minutes for both sides, 16 with SeamlessM4T's two (xfail training tests of 100 to 155 s each, run on
+both sides) in 58 minutes; check_docstrings --check_all there under a minute a side; with --upstream-tests-k "(past or static or use_cache or left_padding or cache) and not compil and not quant
 and not flash" and --no-core-tests, 10 to 13 models' files took 9 to 35 minutes for both sides (--jobs 1, load 13 to
 20; the `torch.compile` tests, which that expression leaves out, take minutes each). Use
 --skip source for a quick run of (b) and (c) (under a minute for the current series); (a)'s parts are skipped one by one

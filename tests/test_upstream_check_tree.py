@@ -357,3 +357,23 @@ def test_patched_first_runs_patched_whole_then_unpatched_on_the_rerun_targets(tm
     else:
         assert len(calls) == 1, "nothing to rerun: no pytest run, which would run the whole folder"
         assert check_tree.junit_outcomes(tmp_path / "upstream-unpatched.xml") == {}
+
+
+def test_compare_junit_names_a_file_that_failed_collection_by_its_path(tmp_path):
+    for name in ("before.xml", "after.xml"):
+        (tmp_path / name).write_text(
+            '<testsuites><testsuite><testcase classname="" name="tests.models.gpt2.test_modeling_gpt2">'
+            '<error message="collection failure"/></testcase></testsuite></testsuites>'
+        )
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(UPSTREAM / "compare_junit.py"),
+            str(tmp_path / "before.xml"),
+            str(tmp_path / "after.xml"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0
+    assert "tests/models/gpt2/test_modeling_gpt2.py" in result.stdout, result.stdout

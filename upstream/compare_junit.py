@@ -35,7 +35,9 @@ def outcomes(path: str) -> dict[str, str]:
 
 
 def test_file(test_id: str) -> str:
-    module = test_id.split("::")[0]
+    module, name = test_id.split("::", 1)
+    if not module:  # a file that failed collection: classname "", the module as name
+        return name.replace(".", "/") + ".py"
     return "/".join(module.split(".")[:-1]) + ".py" if "." in module else module
 
 

@@ -30,7 +30,11 @@ applied with `git am` to a clone: branch `main` is the tree, branch `series` one
       `--upstream-tests-k EXPR` selects tests by pytest's `-k EXPR` on both sides (e.g. the generation and cache tests:
       `-k "generate or cache or past or beam or static or compile or export"`), and `--no-core-tests` leaves out
       cache_utils', masking_utils' and generation's own files; the JUnit files and logs are in the work folder
-      (`upstream-unpatched.xml`, `upstream-patched.xml`).
+      (`upstream-unpatched.xml`, `upstream-patched.xml`). `--patched-first` halves the time of whole files: the
+      patched side runs whole, then the unpatched side runs only what did not pass patched (failed, error, skipped)
+      and what the patched run lacks, by node id (those the unpatched tree collects: the series' new tests are
+      `absent` there); a test that passed patched is not rerun and cannot be a regression (compare_junit.py
+      --rerun counts them). `--test-timeout S` sets pytest-timeout's limit per test (default 900 s).
 
 Times measured here (2 CPU cores shared with other engineers' runs, load average 17 to 22): the clone and `git am`
 of nine patches about 10 s; (a) check_copies 74 s for both sides, check_docstrings --check_all about 11 minutes a
@@ -38,8 +42,9 @@ side, the converter over the current series' 22 models and their dependents not 
 August converter's full --check_all ran over 50 minutes); (b) 4 s; (c) a few seconds for a patch without tests,
 about 5 minutes for a patch with one test in tests/utils/test_cache_utils.py (two pytest runs); (d) on the core files
 alone (`--models none`, `--jobs 2`) 8 minutes for both sides on a quieter machine (load 2 to 4); (d) on whole
-files not measured here: budget about 10 minutes a side per model test file at load 17 to 22 (-n 2 helps on a free
-machine); with --upstream-tests-k "(past or static or use_cache or left_padding or cache) and not compil and not quant
+model test files with --patched-first, --jobs 1 on one core of an AMD EPYC Zen 5 (load 2 to 4.5): 10 files of the
+family in 9 to 10 minutes for both sides, 16 with SeamlessM4T's two (xfail training tests of 100 to 155 s each, run on
+both sides) in 58 minutes; check_docstrings --check_all there under a minute a side; with --upstream-tests-k "(past or static or use_cache or left_padding or cache) and not compil and not quant
 and not flash" and --no-core-tests, 10 to 13 models' files took 9 to 35 minutes for both sides (--jobs 1, load 13 to
 20; the `torch.compile` tests, which that expression leaves out, take minutes each). Use
 --skip source for a quick run of (b) and (c) (under a minute for the current series); (a)'s parts are skipped one by one
@@ -373,10 +378,59 @@ def junit_outcomes(path: Path) -> dict[str, str]:
     return outcomes
 
 
-def pytest(tree_dir: Path, targets: list[str], junit: Path, log: Path, extra: list[str] = (), jobs: int = 0):
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--timeout=900",
+def pytest(
+    tree_dir: Path,
+    targets: list[str],
+    junit: Path,
+    log: Path,
+    extra: list[str] = (),
+    jobs: int = 0,
+    test_timeout: int = 900,
+):
+    """Run pytest on `targets` (paths or node ids; many node ids go through an @-file of arguments)."""
+    if len(targets) > 50:
+        args_file = junit.with_suffix(".args")
+        args_file.write_text("".join(f"{target}\n" for target in targets))
+        targets = [f"@{args_file}"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", f"--timeout={test_timeout}",
            f"--junitxml={junit}", "-n", str(jobs if jobs > 1 else 0), *extra, *targets]  # fmt: skip
-    return run(cmd, tree_dir, log, env_for(tree_dir), timeout=4 * 3600)
+    return run(cmd, tree_dir, log, env_for(tree_dir), timeout=8 * 3600)
+
+
+def junit_key(node_id: str) -> str:
+    """The `classname::name` a pytest node id has in a JUnit file, as `junit_outcomes` keys it (pytest's
+    `mangle_test_address`: the path becomes a dotted module, a parameter id in brackets stays as it is). A test file
+    that fails collection is reported as classname "" and the module as name: its node id is the file's path."""
+    path, bracket, params = node_id.partition("[")
+    names = path.split("::")
+    names[0] = re.sub(r"\.py$", "", names[0].replace("/", "."))
+    names[-1] += bracket + params
+    return f"{'.'.join(names[:-1])}::{names[-1]}"
+
+
+def collected_ids(tree_dir: Path, targets: list[str], extra: list[str]) -> list[str]:
+    """The node ids pytest collects from `targets` with the options `extra` (-k, --ignore) in `tree_dir`."""
+    cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+           *extra, *targets]  # fmt: skip
+    lines = run(cmd, tree_dir, env=env_for(tree_dir), timeout=3600).stdout.splitlines()
+    return [line for line in lines if line.startswith("tests/") and "::" in line]
+
+
+def rerun_targets(patched: dict[str, str], collected: list[str], unpatched_root: Path) -> list[str]:
+    """What to run on the unpatched tree after a whole patched run (--patched-first): of the tests the unpatched tree
+    has (`collected`, its node ids), every one that did not pass patched (failed, error, skipped) or that the patched
+    run lacks; and a test file that failed collection patched and collects nothing unpatched either, whole, so that
+    its error shows on both sides. A test that passed patched is not rerun: it cannot be a regression. A test that
+    failed patched and that the unpatched tree lacks (the series' new tests) cannot be run there."""
+    wanted = [node for node in collected if patched.get(junit_key(node)) != "passed"]
+    for key, outcome in sorted(patched.items()):
+        classname, name = key.split("::", 1)
+        if classname or outcome == "passed":
+            continue
+        path = name.replace(".", "/") + ".py"
+        if (unpatched_root / path).is_file() and not any(node.startswith(f"{path}::") for node in collected):
+            wanted.append(path)
+    return wanted
 
 
 def expand_parameterized(tree_dir: Path, ids: list[str]) -> list[str]:
@@ -467,26 +521,45 @@ def check_patch_tests(tree: Tree, k: int, model_test_files: list[str]) -> bool:
 
 
 def check_upstream_tests(
-    tree: Tree, base: Path, tip: Path, model_test_files: list[str], jobs: int, k: str = "", core: bool = True
+    tree: Tree,
+    base: Path,
+    tip: Path,
+    model_test_files: list[str],
+    jobs: int,
+    k: str = "",
+    core: bool = True,
+    patched_first: bool = False,
+    test_timeout: int = 900,
 ) -> bool:
     started = time.time()
     targets = [t for t in UPSTREAM_CORE_TESTS if core and (tip / t).exists()] + model_test_files
     # a test file the tree cannot import (the fork's testers against 5.25's testing_utils) must not stop the others
     extra = [f"--ignore={path}" for path in UPSTREAM_IGNORE] + ["--continue-on-collection-errors"]
     extra += ["-k", k] if k else []
-    for side, root in (("unpatched", base), ("patched", tip)):
+    sides = (("patched", tip), ("unpatched", base)) if patched_first else (("unpatched", base), ("patched", tip))
+    for side, root in sides:
         side_started = time.time()
-        result = pytest(
-            root, targets, tree.work / f"upstream-{side}.xml", tree.work / f"upstream-{side}.log", extra, jobs
-        )
-        last = (tree.work / f"upstream-{side}.log").read_text(errors="replace").strip().splitlines()[-1:]
+        junit, log = tree.work / f"upstream-{side}.xml", tree.work / f"upstream-{side}.log"
+        side_targets = [t for t in targets if (root / t).exists()]
+        if patched_first and side == "unpatched":
+            collected = collected_ids(root, side_targets, extra)
+            side_targets = rerun_targets(junit_outcomes(tree.work / "upstream-patched.xml"), collected, root)
+            print(f"       unpatched: rerunning {len(side_targets)} of {len(collected)} collected tests "
+                  "(those that did not pass patched or that it lacks)")  # fmt: skip
+            if not side_targets:  # pytest without targets would run the whole folder
+                junit.write_text("<testsuites></testsuites>")
+                log.write_text("nothing to rerun\n")
+                continue
+        result = pytest(root, side_targets, junit, log, extra, jobs, test_timeout)
+        last = log.read_text(errors="replace").strip().splitlines()[-1:]
         print(f"       {side}: {last[0] if last else result.returncode} ({time.time() - side_started:.0f} s)")
     compare = run(
-        [sys.executable, str(HERE / "compare_junit.py"), str(tree.work / "upstream-unpatched.xml"),
-         str(tree.work / "upstream-patched.xml")], tree.work,
+        [sys.executable, str(HERE / "compare_junit.py"), *(["--rerun"] if patched_first else []),
+         str(tree.work / "upstream-unpatched.xml"), str(tree.work / "upstream-patched.xml")], tree.work,
     )  # fmt: skip
     print("\n".join("       " + line for line in compare.stdout.splitlines()))
     detail = f"{len(targets)} test files or folders" + (f", -k {k!r}" if k else "")
+    detail += ", patched first, unpatched rerun" if patched_first else ""
     return report("upstream tests", compare.returncode == 0, detail, started)
 
 
@@ -541,9 +614,22 @@ def main(argv: list[str]) -> int:
         action="store_true",
         help="(d) leaves out cache_utils', masking_utils' and generation's test files (the model test files only)",
     )
+    parser.add_argument(
+        "--patched-first",
+        action="store_true",
+        help="(d) runs the patched side whole, then the unpatched side only on the tests that did not pass patched "
+        "(or that the patched run lacks): a regression is a test that passes there; the others are not rerun",
+    )
+    parser.add_argument(
+        "--test-timeout", type=int, default=900, metavar="S", help="(d): pytest-timeout's limit per test"
+    )
     args = parser.parse_args(argv)
-    if (args.models or args.upstream_tests_k or args.no_core_tests) and not args.upstream_tests:
-        parser.error("--models, --upstream-tests-k and --no-core-tests select what --upstream-tests runs: add it")
+    selects = args.models or args.upstream_tests_k or args.no_core_tests or args.patched_first
+    if selects and not args.upstream_tests:
+        parser.error(
+            "--models, --upstream-tests-k, --no-core-tests and --patched-first select what --upstream-tests runs: "
+            "add it"
+        )
     if not (args.tree / ".git").exists() or not (args.tree / "utils" / "check_copies.py").exists():
         parser.error(f"--tree {args.tree} is not a reference tree (a git repository with utils/check_copies.py)")
     patches = [args.series.parent / name for name in args.series.read_text().split()]
@@ -583,7 +669,15 @@ def main(argv: list[str]) -> int:
                 print(f"(d) through {len(upstream_files)} of {len(tests)} model test files (--models)")
             results.append(
                 check_upstream_tests(
-                    tree, base, tip, upstream_files, args.jobs, args.upstream_tests_k, not args.no_core_tests
+                    tree,
+                    base,
+                    tip,
+                    upstream_files,
+                    args.jobs,
+                    args.upstream_tests_k,
+                    not args.no_core_tests,
+                    args.patched_first,
+                    args.test_timeout,
                 )
             )
     finally:

@@ -134,14 +134,19 @@ def test_an_int8_engine_s_artifact_runs_its_encoder_and_projections_from_the_pac
     assert encoded[(1, 7)] >= 1 and encoded[(4, 12)] == 1, calls
 
 
-def test_a_damaged_artifact_is_a_warning_and_a_compile_with_the_right_tokens(compiled, tmp_path, caplog):
-    upstream, flex, config, folder = compiled
-    damaged = tmp_path / "damaged"
-    shutil.copytree(folder, damaged)
-    graph = damaged / "graphs" / "4_40_16.pt2"
+def damaged_copy(folder, copy_, name: str):
+    """A copy of the artifact `folder` at `copy_` whose file `name` has one byte flipped in its middle."""
+    shutil.copytree(folder, copy_)
+    graph = copy_ / name
     data = bytearray(graph.read_bytes())
     data[len(data) // 2] ^= 0xFF
     graph.write_bytes(bytes(data))
+    return copy_
+
+
+def test_a_damaged_artifact_is_a_warning_and_a_compile_with_the_right_tokens(compiled, tmp_path, caplog):
+    upstream, flex, config, folder = compiled
+    damaged = damaged_copy(folder, tmp_path / "damaged", "graphs/4_40_16.pt2")
     case = next(case for case in MODEL_CASES if case.name == "t5")
     torch._dynamo.reset()
     traced = compiled_graph_count()
@@ -165,12 +170,7 @@ def test_a_damaged_encoder_graph_refuses_the_artifact_at_the_warm_up(compiled, t
     """The encoder side is checked and loaded before the engine serves (every request needs it), so its damage
     refuses the folder as a whole, by name, where a decode graph's is found at its load (the test above)."""
     _, flex, config, folder = compiled
-    damaged = tmp_path / "damaged-encoder"
-    shutil.copytree(folder, damaged)
-    graph = damaged / "graphs" / "packed_encoder.pt2"
-    data = bytearray(graph.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    graph.write_bytes(bytes(data))
+    damaged = damaged_copy(folder, tmp_path / "damaged-encoder", "graphs/packed_encoder.pt2")
     assert "graphs/packed_encoder.pt2 changed since it was written" in refusal(flex, config, damaged)
 
 

@@ -199,6 +199,24 @@ class _PackedEncoder(torch.nn.Module):
         return self.encode(self.encoder, input_ids, attention_mask, index)
 
 
+def is_token_call(kwargs: dict, allowed: frozenset | set, encoder) -> bool:
+    """Whether an encoder call of `kwargs` is one a compiled (or exported) encoder graph stands for: only `allowed`
+    arguments, token ids and a mask of their shape (2-D tensors), a dict output, no attentions or hidden states asked
+    for, the encoder in eval mode."""
+    input_ids, attention_mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
+    return (
+        set(kwargs) <= allowed
+        and kwargs.get("return_dict", True)
+        and not kwargs.get("output_attentions")
+        and not kwargs.get("output_hidden_states")
+        and isinstance(input_ids, torch.Tensor)
+        and isinstance(attention_mask, torch.Tensor)
+        and input_ids.dim() == 2
+        and attention_mask.shape == input_ids.shape
+        and not encoder.training
+    )
+
+
 class _PackedOrPlain:
     """A model's compiled encoder. Where the model `packs_encoder` (`packed` is not None), a call of two real tokens or
     more whose only arguments are its tokens and their attention mask (as generate's and the serving engine's) runs
@@ -209,7 +227,9 @@ class _PackedOrPlain:
     equal (the serving engine's warm-up of 2 rows of 2 tokens) compiles a graph for such calls only, and the next
     call another."""
 
-    _PACKED_ARGUMENTS = frozenset(("input_ids", "attention_mask", "output_attentions", "output_hidden_states"))
+    _PACKED_ARGUMENTS = frozenset(
+        ("input_ids", "attention_mask", "output_attentions", "output_hidden_states", "return_dict")
+    )
 
     def __init__(self, encoder, plain, packed):
         self.encoder, self.plain, self.packed = encoder, plain, packed
@@ -219,20 +239,9 @@ class _PackedOrPlain:
             return _without_dynamic_stamps(self._call(**kwargs))
 
     def _call(self, **kwargs):
-        input_ids, attention_mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
-        if not (
-            self.packed is not None
-            and set(kwargs) - {"return_dict"} <= self._PACKED_ARGUMENTS
-            and kwargs.get("return_dict", True)
-            and not kwargs.get("output_attentions")
-            and not kwargs.get("output_hidden_states")
-            and isinstance(input_ids, torch.Tensor)
-            and isinstance(attention_mask, torch.Tensor)
-            and input_ids.dim() == 2
-            and attention_mask.shape == input_ids.shape
-            and not self.encoder.training
-        ):
+        if self.packed is None or not is_token_call(kwargs, self._PACKED_ARGUMENTS, self.encoder):
             return self.plain(**kwargs)
+        input_ids, attention_mask = kwargs["input_ids"], kwargs["attention_mask"]
         index = real_positions(attention_mask)
         if index.numel() < 2:  # dynamo would give 0 or 1 real tokens a graph of their own
             return self.plain(**kwargs)

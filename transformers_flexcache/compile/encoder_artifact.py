@@ -42,6 +42,7 @@ from .encoder import (
     _PackedOrPlain,
     encoder_compiles,
     has_int8_variants,
+    is_token_call,
     packs_encoder,
 )
 from .passes import without_int8_float_gemms
@@ -218,19 +219,8 @@ class _LoadedPlainEncoder:
         self.encoder, self.graph, self.limits = encoder, graph, limits
 
     def __call__(self, **kwargs):
-        input_ids, attention_mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
-        if (
-            set(kwargs) <= _PLAIN_ARGUMENTS
-            and kwargs.get("return_dict", True)
-            and not kwargs.get("output_attentions")
-            and not kwargs.get("output_hidden_states")
-            and isinstance(input_ids, torch.Tensor)
-            and isinstance(attention_mask, torch.Tensor)
-            and input_ids.dim() == 2
-            and attention_mask.shape == input_ids.shape
-            and self.limits.fits(*input_ids.shape)
-            and not self.encoder.training
-        ):
+        if is_token_call(kwargs, _PLAIN_ARGUMENTS, self.encoder) and self.limits.fits(*kwargs["input_ids"].shape):
+            input_ids, attention_mask = kwargs["input_ids"], kwargs["attention_mask"]
             return BaseModelOutput(last_hidden_state=self.graph(input_ids, attention_mask)[0])
         return self.encoder(**kwargs)
 

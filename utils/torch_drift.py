@@ -180,13 +180,16 @@ TORCH_NAMES: dict[str, TorchName] = {
     "torch._guards.TracingContext.try_get": TorchName(
         "object", "OneDNNLinears finds the parameters that freezing makes constants (params_flat, fw_metadata)"
     ),
+    "torch._inductor.virtualized.V.aot_compilation": TorchName(
+        "object", "OneRowLinears tells an AOTInductor compile (the artifacts), whose weights are get_attr constants"
+    ),
     "torch._prims_common.make_contiguous_strides_for": TorchName(
         "object", "OneRowLinears stores its input contiguously", ("shape",)
     ),
     # --- operators our passes match or emit
     "torch.ops.mkl._mkl_linear.default": TorchName(
         "op",
-        "frozen fp32 linears of one row that OneRowLinears replaces",
+        "compile/kernel_choice.py measures MKL's packed linear (as inductor packs it under freezing)",
         ("X", "MKL_W", "ORI_W", "B", "batch_size"),
     ),
     "torch.ops.mkl._mkl_reorder_linear_weight.default": TorchName(

@@ -88,8 +88,9 @@ def test_one_row_linears_run_first_and_each_pass_keys_inductor_s_cache_apart():
     config = compile_config_for_cpu(
         linear_kernels="onednn", one_row_linears="inductor", int8_linears="library", decode_attention="library"
     )
-    assert config.options["post_grad_custom_post_pass"] == (OneRowLinears(),)
-    assert config.options["joint_custom_post_pass"] == (OneDNNLinears(one_row=False),)  # one row: OneRowLinears'
+    # both before freezing: the one-row linears rewritten, so that inductor packs none of them (MKL or oneDNN)
+    assert config.options["joint_custom_post_pass"] == (OneRowLinears(), OneDNNLinears(one_row=False))
+    assert "post_grad_custom_post_pass" not in config.options
     assert (
         compile_config_for_cpu(
             linear_kernels="onednn", one_row_linears="inductor", int8_linears="library", decode_attention="library"
@@ -100,7 +101,7 @@ def test_one_row_linears_run_first_and_each_pass_keys_inductor_s_cache_apart():
         linear_kernels="mkl", one_row_linears="inductor", int8_linears="library", decode_attention="library"
     ).options == {
         "freezing": True,
-        "post_grad_custom_post_pass": (OneRowLinears(),),
+        "joint_custom_post_pass": (OneRowLinears(),),
     }
     assert OneRowLinears().uuid() == OneRowLinears().uuid() != OneDNNLinears().uuid()
 
@@ -119,9 +120,10 @@ def test_int8_dot_products_are_marked_before_freezing_and_expanded_first_after_i
     assert config.options["joint_custom_post_pass"] == (
         Int8DotProducts(),
         Int8FloatGemms(),
+        OneRowLinears(),
         OneDNNLinears(one_row=False),
     )
-    assert config.options["post_grad_custom_post_pass"] == (Int8DotExpansion(), OneRowLinears())
+    assert config.options["post_grad_custom_post_pass"] == (Int8DotExpansion(),)
     assert (
         compile_config_for_cpu(
             linear_kernels="onednn", one_row_linears="inductor", int8_linears="inductor", decode_attention="library"
@@ -139,9 +141,10 @@ def test_fbgemm_int8_linears_are_marked_before_freezing_with_dot_products_for_fe
     assert config.options["joint_custom_post_pass"] == (
         Int8FbgemmMatmuls(),
         Int8DotProducts(),
+        OneRowLinears(),
         OneDNNLinears(one_row=False),
     )
-    assert config.options["post_grad_custom_post_pass"] == (Int8DotExpansion(), OneRowLinears())
+    assert config.options["post_grad_custom_post_pass"] == (Int8DotExpansion(),)
     assert len({Int8FbgemmMatmuls().uuid(), Int8DotProducts().uuid()}) == 2
 
 
@@ -164,7 +167,8 @@ def test_auto_int8_linears_are_fbgemm_s_where_torch_has_fbgemm_and_the_cpu_no_am
     monkeypatch.setattr(int8_linears, "has_fbgemm", lambda: fbgemm)
     with cpu.forced(**facts):
         assert int8_linears.resolve_int8_linears("auto") == expected
-        passes = compile_config_for_cpu(linear_kernels="mkl").options.get("joint_custom_post_pass")
+        options = compile_config_for_cpu(linear_kernels="mkl", one_row_linears="library").options
+        passes = options.get("joint_custom_post_pass")
     assert (
         passes
         == {
@@ -195,8 +199,7 @@ def test_auto_linear_kernels_are_mkl_on_intel_cpus_only_as_ctranslate2_chooses(v
         assert fp32_linears.resolve_linear_kernels("auto") == expected
         options = compile_config_for_cpu(decode_attention="library", int8_linears="library").options  # no int8 pass
     # "auto": both passes, each taking the linears its plan gives it (measured per shape, else this rule)
-    (onednn,) = options["joint_custom_post_pass"]
-    (one_row,) = options["post_grad_custom_post_pass"]
+    one_row, onednn = options["joint_custom_post_pass"]
     assert onednn.plan == one_row.plan and onednn.plan.measured
     assert onednn.plan.base == expected
 

@@ -186,12 +186,11 @@ def compile_config_for_cpu(
         passes.append(Int8DotExpansion())
     plan = measured_linear_plan(linear_kernels, one_row_linears)
     if plan is not None:  # "auto": each linear on this CPU's measured kernel for its shape, else the rule by vendor
-        passes.append(OneRowLinears(plan))
-        joint_passes.append(OneDNNLinears(plan=plan))
+        joint_passes += [OneRowLinears(plan), OneDNNLinears(plan=plan)]
     else:
         one_row = resolve_one_row_linears(one_row_linears) == "inductor"
         if one_row:
-            passes.append(OneRowLinears())
+            joint_passes.append(OneRowLinears())
         if resolve_linear_kernels(linear_kernels) == "onednn":  # one-row linears left to OneRowLinears where it runs
             joint_passes.append(OneDNNLinears(one_row=not one_row))
     if resolve_decode_attention(decode_attention) == "inductor":

@@ -15,8 +15,9 @@ chooses as it does"):
   anything but a parameter are left alone.
 - At one row (a decode step of one sequence) a linear is a matrix-vector product bound by reading the weight; there
   both libraries read it more slowly than a plain vectorized dot product does. `OneRowLinears` makes that rewrite,
-  after freezing; at two rows or more it would read the weight once per row, so it is for one row only. `"auto"`
-  applies it where the CPU is not Intel's; on Intel CPUs (MKL) it is not measured yet.
+  before freezing (so that neither library packs those weights); at two rows or more it would read the weight once
+  per row, so it is for one row only. `"auto"` applies it where the CPU is not Intel's; on Intel CPUs (MKL) it is
+  not measured yet.
 - Under `"auto"` the rule by vendor is only the default: where this CPU's kernel table (`compile.kernel_choice`)
   holds a measured choice for a linear's (rows, in, out), that kernel runs it (`LinearPlan`): both passes are then
   installed, each taking the linears whose choice is its own, and those measured as MKL's are left to inductor,
@@ -30,6 +31,7 @@ import weakref
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.virtualized import V
 from torch._prims_common import make_contiguous_strides_for
 
 from .. import kernel_choice
@@ -133,29 +135,6 @@ def measured_linear_plan(linear_kernels: str, one_row_linears: str) -> LinearPla
     return LinearPlan(base, one_row, measured=True)
 
 
-def _frozen_mkl_linears(graph: torch.fx.Graph):
-    """`(node, (input, packed weight, weight, bias, batch_size))` for each MKL-packed frozen linear of `graph`:
-    `mkl._mkl_linear(input [..., K], mkl_packed_weight, origin_weight [N, K], bias [N] or None, batch_size)`, whose
-    packed and original weights are constants (`get_attr`)."""
-    for node in list(graph.nodes):
-        if node.target not in (torch.ops.mkl._mkl_linear, torch.ops.mkl._mkl_linear.default):
-            continue
-        inputs, packed, weight, bias, batch_size = node.args
-        if weight.op == "get_attr" and packed.op == "get_attr":
-            yield node, (inputs, packed, weight, bias, batch_size)
-
-
-def _free_unused(graph: torch.fx.Graph, targets: set) -> None:
-    """Drops the dead nodes of `graph`, then those of the constants `targets` that no node reads any more (MKL's
-    packed copies): freed rather than kept beside what replaced them."""
-    if not targets:
-        return
-    graph.eliminate_dead_code()
-    used = {node.target for node in graph.nodes if node.op == "get_attr"}
-    for target in targets - used:
-        delattr(graph.owning_module, target)
-
-
 class SharedOneDNNWeights:
     """oneDNN's packed copies of frozen weights, one per weight for all the graphs compiled on it.
 
@@ -222,7 +201,7 @@ class OneDNNLinears(CustomGraphPass):
     [N, K], [1, 0]))`, `aten.addmm(b, x, permute(w, [1, 0]))`) becomes oneDNN's (`mkldnn._linear_pointwise`) on
     `onednn_packed_weight(w, M)`, which freezing folds into a constant: oneDNN's packed copy, one per weight for all
     graphs (`SharedOneDNNWeights`). Linears of one static row are left to `OneRowLinears` where `one_row` says it
-    takes them (inductor packs those for MKL, as it packs every linear it is given).
+    takes them (it rewrites them before freezing, so that inductor packs none of them).
 
     Before freezing, not after (torch==2.13.0: inductor's own packing, `mkldnn_fusion.py`, would pack them for MKL
     first): so the frozen graph that inductor's FX graph cache keys on already holds the packed copies as frozen
@@ -279,6 +258,16 @@ def _parameter_placeholders(graph: torch.fx.Graph) -> set:
     return {node for index, node in enumerate(placeholders) if index not in mutated}
 
 
+def _frozen_weights(graph: torch.fx.Graph) -> set:
+    """The nodes of `graph` that stand for weights freezing makes constants: under `torch.compile` the parameters that
+    AOT autograd lifted (`_parameter_placeholders`); under AOTInductor (`V.aot_compilation`: a `torch.export`ed
+    program, whose parameters and buffers reach the joint graph as `get_attr` constants and whose mutated buffers as
+    inputs) its `get_attr` nodes."""
+    if V.aot_compilation:
+        return set(graph.find_nodes(op="get_attr"))
+    return _parameter_placeholders(graph)
+
+
 def _fp32_linear(node: torch.fx.Node, weights: set):
     """`(x, w, b or None)` where `node` is `aten.mm(x [M, K], permute(w, [1, 0]))` or `aten.addmm(b [N], x,
     permute(w, [1, 0]))` (no scaling) on float32 tensors with `w` [N, K] among `weights`; None otherwise."""
@@ -301,9 +290,15 @@ def _fp32_linear(node: torch.fx.Node, weights: set):
 
 
 class OneRowLinears(CustomGraphPass):
-    """Inductor post-grad pass: a frozen fp32 linear of one row (`mkl._mkl_linear` with `batch_size == 1`: a decode
-    step of one sequence) becomes a multiply and a sum over the input features, which inductor generates as one
-    vectorized dot product per output, reading the weight ([N, K], contiguous) once, row by row.
+    """Inductor joint-graph pass (before freezing, as `OneDNNLinears`): an fp32 linear of one row on a parameter (a
+    decode step of one sequence) becomes a multiply and a sum over the input features, which inductor generates as
+    one vectorized dot product per output, reading the weight ([N, K], contiguous) once, row by row.
+
+    Before freezing, so that inductor never packs these weights: under `torch.compile` it would pack them for MKL,
+    under AOTInductor (`V.aot_compilation`, the compiled artifacts) for oneDNN, and a pass after freezing that matched
+    MKL's packed linear left every one-row linear of an AOTInductor graph on oneDNN (the artifact's one-row step ran
+    slower than the frozen graph's: docs/performance.md). Freezing then folds the weight into a constant that the
+    dot products read.
 
     The input is stored in a buffer of its own first (`prims.inductor_force_stride_order`, which inductor realizes).
     Left to itself, inductor fuses the pointwise work that makes the input (a norm, the residual sums) into the dot
@@ -313,21 +308,24 @@ class OneRowLinears(CustomGraphPass):
     saves a step: docs/compile.md).
 
     With a `plan` (`LinearPlan`), only the linears that it gives to `"inductor"` (measured or by rule); without
-    one, every frozen MKL linear of one row. Instances with equal plans are equal, as for `OneDNNLinears`.
+    one, every fp32 linear of one row on a parameter. Instances with equal plans are equal, as for `OneDNNLinears`.
     """
 
     def __init__(self, plan: LinearPlan | None = None):
         self.plan = plan
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        module = graph.owning_module
-        replaced = set()
+        weights = _frozen_weights(graph)
         before = set(graph.nodes)
-        for node, (inputs, packed, weight, bias, batch_size) in _frozen_mkl_linears(graph):
-            value = getattr(module, weight.target)
-            if batch_size != 1 or not value.is_contiguous() or value.shape[-1] != inputs.meta["val"].shape[-1]:
+        for node in list(graph.nodes):
+            matched = _fp32_linear(node, weights)
+            if matched is None:
                 continue
-            if self.plan is not None and self.plan.kernel(1, value.shape[1], value.shape[0]) != "inductor":
+            inputs, weight, bias = matched
+            out_features, in_features = weight.meta["val"].shape
+            if inputs.meta["val"].shape[0] != 1 or not weight.meta["val"].is_contiguous():
+                continue  # several rows (or symbolic ones): the libraries' kernels
+            if self.plan is not None and self.plan.kernel(1, in_features, out_features) != "inductor":
                 continue
             fake_mode = torch._guards.detect_fake_mode([inputs.meta["val"]])
             with graph.inserting_before(node):
@@ -336,16 +334,17 @@ class OneRowLinears(CustomGraphPass):
                 stored = call_node(
                     graph, fake_mode, torch.ops.prims.inductor_force_stride_order.default, inputs, strides
                 )
-                # [..., K] -> [..., 1, K] * [N, K] -> [..., N, K] -> sum over K -> [..., N]
+                # [1, K] -> [1, 1, K] * [N, K] -> [1, N, K] -> sum over K -> [1, N]
                 row = call_node(graph, fake_mode, torch.ops.aten.unsqueeze.default, stored, -2)
                 products = call_node(graph, fake_mode, torch.ops.aten.mul.Tensor, row, weight)
                 out = call_node(graph, fake_mode, torch.ops.aten.sum.dim_IntList, products, [-1])
                 if bias is not None:
                     out = call_node(graph, fake_mode, torch.ops.aten.add.Tensor, out, bias)
+            transposed = node.args[-1]  # `permute(weight)`, the linear's last argument
             node.replace_all_uses_with(out)
             graph.erase_node(node)
-            replaced.add(packed.target)  # the weight itself stays: the products read it
-        _free_unused(graph, replaced)
+            if not transposed.users:
+                graph.erase_node(transposed)
         name_new_nodes(graph, before, torch.ops.aten.mm.default)  # kernels named `..._mm_...`
 
     def uuid(self) -> str:

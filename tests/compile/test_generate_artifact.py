@@ -4,7 +4,8 @@ Fast tests: what a call's description holds (a change of the cache's plain state
 graph), the cache's plain state set back, a call the artifact has no graph for runs the compiled forward with a
 warning, a folder compiled for another key is refused by name. The slow test builds an artifact for a tiny T5 (an
 AOTInductor compile: minutes on a loaded 2-core machine), loads it into a second copy of the model and checks that
-its calls trace nothing and give the tokens of the cold-compiled model and of upstream's DynamicCache.
+its calls trace nothing (encoder, first step and decode steps from the artifact's graphs) and give the tokens of the
+cold-compiled model and of upstream's DynamicCache.
 """
 
 from __future__ import annotations
@@ -161,6 +162,9 @@ def test_a_loaded_artifact_traces_nothing_and_gives_the_cold_compiled_tokens(tmp
         assert torch.equal(from_artifact, from_cold)
     assert traced == 0, "the artifact's load or calls traced a graph"
     assert not artifact_of(loader).missed
+    # the encoder ran the artifact's graph (T5 packs its encoder), at each call's own rows and positions
+    calls = artifact_of(loader).encoder_side.calls["packed_encoder"]
+    assert calls == {(2, 7): 1, (1, 4): 1, (2, 8): 1}
 
     # another key (other weights): refused by name
     changed = {**manifest["key"], "weights": "0" * 64}

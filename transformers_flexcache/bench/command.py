@@ -123,8 +123,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="compiled artifacts (docs/compile.md): every compiled flexible strategy warms up from the folder "
         "DIR/<model>/<strategy> (warmup(..., artifact=)): its graphs loaded, nothing traced; where it holds none for "
         "this run's settings (the first run, other versions, CPU, weights or buckets), they are built into it "
-        "first (torch.export and AOTInductor, slower than a compile) and then loaded. The encoder and first step of "
-        "such a strategy run eagerly. Upstream's static-compiled strategy compiles as without it",
+        "first (torch.export and AOTInductor) and then loaded: encoders, first and later decode steps. Upstream's "
+        "static-compiled strategy compiles as without it",
     )
     parser.add_argument("--no-ctranslate2", action="store_true", help="skip the CTranslate2 row for T5 and Marian")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -133,10 +133,11 @@ def compiles_encoder(model, generation_config, input_name: str, model_inputs: di
     )
 
 
-def encode_compiled(model, generation_config, input_ids: torch.Tensor, model_kwargs: dict) -> dict:
+def encode_compiled(model, generation_config, input_ids: torch.Tensor, model_kwargs: dict, *, encoder=None) -> dict:
     """Derived from `GenerationMixin._prepare_text_encoder_decoder_kwargs_for_generation` (transformers==5.24.0):
-    `model_kwargs` with `encoder_outputs` added. Differences: the encoder is the compiled one (`compiled_encoder`);
-    arguments reach it as upstream passes them."""
+    `model_kwargs` with `encoder_outputs` added. Differences: the encoder is the compiled one (`compiled_encoder`), or
+    `encoder` where given (a compiled artifact's, `encoder_artifact.LoadedEncoderSide.encoder`); arguments reach it
+    as upstream passes them."""
     accepted = set(signature_of(model.get_encoder().forward).parameters)
     wildcard = "kwargs" in accepted or "model_kwargs" in accepted
     arguments = {
@@ -150,7 +151,8 @@ def encode_compiled(model, generation_config, input_ids: torch.Tensor, model_kwa
         output_hidden_states=generation_config.output_hidden_states,
         return_dict=True,
     )
-    model_kwargs["encoder_outputs"] = compiled_encoder(model, generation_config.compile_config)(**arguments)
+    encoder = encoder or compiled_encoder(model, generation_config.compile_config)
+    model_kwargs["encoder_outputs"] = encoder(**arguments)
     return model_kwargs
 
 
@@ -400,10 +402,11 @@ def first_step_compiles(model, plan, input_ids: torch.Tensor, generation_config,
 
 
 def first_step_compiled(
-    model, plan, projections: list, input_ids: torch.Tensor, generation_config, model_kwargs: dict
+    model, plan, projections: list, input_ids: torch.Tensor, generation_config, model_kwargs: dict, *, project=None
 ):
     """Stands for `GenerationMixin._prefill` (transformers==5.25.0) on a call that `first_step_compiles`: the
-    cross-attention keys and values projected and written, then the step in the compiled decode graph.
+    cross-attention keys and values projected (by `cross_attention_projector`, or `project` where given: a compiled
+    artifact's) and written, then the step in the compiled decode graph.
 
     Only the call's own rows and encoder positions are projected (as DynamicCache's call projects them); the padding
     rows and positions get zero keys and values. Padding positions are masked, and padding rows are cut from the
@@ -415,7 +418,8 @@ def first_step_compiled(
     if plan.padding is not None:  # [B, L_enc, d]: the call's own rows and positions
         own = plan.padding.cut_rows(states)[:, : plan.padding.encoder_len or states.shape[1]]
     padding = (0, 0, 0, states.shape[1] - own.shape[1], 0, 0, 0, states.shape[0] - own.shape[0])
-    projected = cross_attention_projector(model, generation_config.compile_config, projections)(own)
+    project = project or cross_attention_projector(model, generation_config.compile_config, projections)
+    projected = project(own)
     for layer_idx, (key_states, value_states) in enumerate(projected):  # [B, H, L_enc, D] -> [B_pad, H, L_pad, D]
         if any(padding):
             key_states, value_states = F.pad(key_states, padding), F.pad(value_states, padding)

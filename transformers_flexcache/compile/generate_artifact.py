@@ -31,6 +31,8 @@ import json
 import torch
 from torch.utils import _pytree as pytree
 from transformers.cache_utils import Cache
+from transformers.modeling_outputs import BaseModelOutput
+from transformers.utils import ModelOutput
 
 from ..cache import state_objects, tensor_slots
 from ..log import get_logger
@@ -115,6 +117,21 @@ def describe(kwargs: dict) -> tuple[str, dict]:
     return hashlib.sha256(text.encode()).hexdigest()[:32], parts
 
 
+def encoder_outputs_as_upstream_passes_them(kwargs: dict) -> dict:
+    """`kwargs` with `encoder_outputs` as a `BaseModelOutput` of the same tensors where it is another output class
+    with no other field set (the eager encoder's `BaseModelOutputWithPastAndCrossAttentions`, which upstream's
+    encoder-decoder forwards turn into a `BaseModelOutput` themselves): the class is part of a call's description, and
+    an artifact's encoder (`encoder_artifact.LoadedEncoderSide`) returns a `BaseModelOutput` where the eager encoder
+    that ran while the artifact was built returned another class, for the same graph."""
+    outputs = kwargs.get("encoder_outputs")
+    if not isinstance(outputs, ModelOutput) or type(outputs) is BaseModelOutput:
+        return kwargs
+    fields = dict(outputs.items())
+    if not set(fields) <= {"last_hidden_state", "hidden_states", "attentions"}:
+        return kwargs
+    return {**kwargs, "encoder_outputs": BaseModelOutput(**fields)}
+
+
 def _quick(leaf):
     """What the quick check of a step compares of one argument: a tensor's shape, dtype and strides, an object's
     identity (a cache), a value itself."""
@@ -193,6 +210,7 @@ class Recorder:
 
     def wrap(self, compiled):
         def forward(**kwargs):
+            kwargs = encoder_outputs_as_upstream_passes_them(kwargs)
             try:
                 digest, parts = describe(kwargs)
             except Unsupported as error:
@@ -221,18 +239,19 @@ class Recorder:
             }
             self.graphs[(digest,)] = (program, inputs, extra)
             return outputs
-            self.graphs[digest] = (module, inputs, extra)
-            return outputs
 
         return forward
 
 
 class Replayer:
-    """Loading an artifact: calls the artifact has a graph for run it; others run `compiled` (module docstring)."""
+    """Loading an artifact: calls the artifact has a graph for run it; others run `compiled` (module docstring).
+    `encoder_side` (`encoder_artifact.LoadedEncoderSide`, or None where the artifact holds none) runs the encoder
+    and the first step's cross-attention projections of the calls whose compile would have compiled them."""
 
-    def __init__(self, model, loaded):
+    def __init__(self, model, loaded, encoder_side=None):
         self.model = model
         self.loaded = loaded  # `artifact.LoadedArtifact`: graphs and extras by (digest,)
+        self.encoder_side = encoder_side
         self.missed: set = set()
 
     def wrap(self, compiled):
@@ -244,6 +263,7 @@ class Replayer:
         last = {}
 
         def forward(**kwargs):
+            kwargs = encoder_outputs_as_upstream_passes_them(kwargs)
             leaves, spec = pytree.tree_flatten(kwargs)
             quick = (spec, tuple(_quick(leaf) for leaf in leaves))
             if last.get("quick") == quick:  # a steady step like the one before (see above)

@@ -18,7 +18,9 @@ a call is not compiled each answer is the default one, upstream's behaviour:
 
 Where `warmup(..., artifact=DIR)` set a compiled artifact on the model (`generate_artifact.ARTIFACT_ATTRIBUTE`: a
 `Recorder` while it builds one, a `Replayer` once loaded), the compiled forward is the artifact's
-(`generate_artifact.py`), and the encoder and the first decoder step run as without a compile (nothing traced).
+(`generate_artifact.py`), the first decoder step one of its calls (recorded, then replayed), and the encoder and
+the first step's cross-attention projections the artifact's encoder side where it holds one (`Replayer.encoder_side`;
+eager while it builds, or where it holds none): nothing is traced.
 """
 
 from __future__ import annotations
@@ -29,7 +31,13 @@ from ..generate.hooks import GenerateHooks
 from ..generate.plan import rows_per_input
 from . import kernel_choice
 from .config import compile_settings
-from .encoder import compiles_encoder, encode_compiled, first_step_compiled, first_step_compiles
+from .encoder import (
+    compiles_encoder,
+    cross_attention_projector,
+    encode_compiled,
+    first_step_compiled,
+    first_step_compiles,
+)
 from .generate_artifact import artifact_of
 from .quantization import check_compiled_int8
 
@@ -114,20 +122,29 @@ class CompileHooks(GenerateHooks):
         kernel_choice.prepare(model, compile_config, [rows])
 
     def encode_padded_call(self, model, generation_config, input_name: str, model_inputs: dict, *, candidates: bool):
-        if artifact_of(model) is not None:
-            return None
+        encoder = None
+        artifact = artifact_of(model)
+        if artifact is not None:  # the artifact's encoder, where it holds one
+            encoder = getattr(getattr(artifact, "encoder_side", None), "encoder", None)
+            if encoder is None:
+                return None
         if not compiles_encoder(model, generation_config, input_name, model_inputs, candidates=candidates):
             return None
         encoder_kwargs = {key: value for key, value in model_inputs.items() if key != input_name}
-        return encode_compiled(model, generation_config, model_inputs[input_name], encoder_kwargs)
+        return encode_compiled(model, generation_config, model_inputs[input_name], encoder_kwargs, encoder=encoder)
 
     def first_step(self, model, plan, input_ids, generation_config, model_kwargs: dict):
-        if artifact_of(model) is not None:
-            return None
         projections = first_step_compiles(model, plan, input_ids, generation_config, model_kwargs)
         if projections is None:
             return None
-        return first_step_compiled(model, plan, projections, input_ids, generation_config, model_kwargs)
+        project = None
+        artifact = artifact_of(model)
+        if artifact is not None:  # the artifact's projections where it holds them, else eager ones (nothing traced)
+            project = getattr(getattr(artifact, "encoder_side", None), "project", None)
+            project = project or cross_attention_projector(model, None, projections)
+        return first_step_compiled(
+            model, plan, projections, input_ids, generation_config, model_kwargs, project=project
+        )
 
     def compiled_call(self, model, plan, compile_config, compiled):
         artifact = artifact_of(model)

@@ -19,6 +19,7 @@ from transformers import CompileConfig
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
 from ..cache import CacheConfig
+from ..cache.placement import attention_modules, cross_attention_projections
 from ..generate.policies import POLICIES
 from ..generate.request import FLEXIBLE_STATIC
 from ..log import get_logger
@@ -26,6 +27,7 @@ from . import kernel_choice
 from .artifact import MANIFEST, ArtifactRefused, artifact_facts, load_artifact, write_artifact
 from .caching import compile_cache, model_facts
 from .encoder import encoder_graph, encoder_warmup_calls, has_int8_variants
+from .encoder_artifact import encoder_artifact_graphs, encoder_graph_names, loaded_encoder_side
 from .generate_artifact import Recorder, Replayer, set_artifact
 
 # Forwards of each warm-up call: the first, one decode step that compiles, one that records CUDA graphs.
@@ -87,10 +89,11 @@ def warmup(
             inductor's own cache only.
         artifact (`str | os.PathLike`, *optional*): a compiled artifact folder (`generate_artifact.py`): the decode
             steps' graphs of these calls (this model and weights, capacities, buckets, `max_new_tokens`, generate
-            kwargs, versions and CPU) are loaded from it, and nothing is traced: the calls' decode steps then run the
-            loaded graphs, their encoders and first steps eagerly. Where it holds none for these (missing, another
-            key, damaged: a warning says which, unless it is missing), the graphs are built into it first
-            (`torch.export` and AOTInductor: slower than a compile, once) and then loaded. `cache_dir` is then not
+            kwargs, versions and CPU) are loaded from it, and nothing is traced: the calls' first and later decode
+            steps then run the loaded graphs, and so do their encoders where `compile_config` compiles the encoder
+            (the token encoder with dynamic rows and positions, as `serve --compiled` runs it). Where it holds none
+            for these (missing, another key, damaged: a warning says which, unless it is missing), the graphs are
+            built into it first (`torch.export` and AOTInductor, once) and then loaded. `cache_dir` is then not
             used. The model keeps the artifact for its later calls (`transformers_flexcache.compile.set_artifact(model,
             None)` takes it away).
         progress (`Callable[[int, int], None]`, *optional*): called with (calls done, calls in all) before the first
@@ -154,14 +157,28 @@ def warmup(
 
 
 def _warmup_artifact(model, make_inputs, shapes, config, compile_config, generate_kwargs, directory, progress):
-    """`warmup(..., artifact=directory)`: load the artifact of these calls, or build it and load it."""
+    """`warmup(..., artifact=directory)`: load the artifact of these calls, or build it and load it.
+
+    The artifact holds the decode steps' graphs that the calls reached (first steps included), recorded by a
+    `Recorder`, and where `compile_config` compiles the encoder, the encoder side's graphs that the serving engine's
+    artifact holds too (`encoder_artifact.py`: the token encoder, an int8 model's cross-attention projections, with
+    dynamic rows and positions up to the calls' largest)."""
     if compile_config is None:
         raise ValueError("warmup(artifact=...) needs the compile_config of the served calls")
+    projections = _cross_attention_projections(model)
+    encoder_limits = {
+        "max_rows": max(shape.batch_size for shape in shapes),
+        "max_positions": max(shape.length for shape in shapes),
+    }
+    encoder_names = encoder_graph_names(
+        model, compile_config, projections, max_positions=encoder_limits["max_positions"]
+    )
     caller = {
         "graph": "generate decode steps",
         "calls": [dataclasses.asdict(call) for call in shapes],
         "cache_config": config.to_dict(),
         "generate_kwargs": _settings_of(generate_kwargs),
+        "encoder_graphs": encoder_names,
     }
     facts = artifact_facts(model, compile_config, shapes=[dataclasses.astuple(call) for call in shapes], caller=caller)
     set_artifact(model, None)
@@ -177,11 +194,28 @@ def _warmup_artifact(model, make_inputs, shapes, config, compile_config, generat
                 _run_shapes(model, make_inputs, shapes, config, compile_config, generate_kwargs, progress)
         finally:
             set_artifact(model, None)
-        write_artifact(directory, facts, recorder.graphs, compile_config)
+        graphs = dict(recorder.graphs)
+        if encoder_names:
+            graphs.update(encoder_artifact_graphs(model, compile_config, projections, **encoder_limits))
+        write_artifact(directory, facts, graphs, compile_config)
         loaded = load_artifact(directory, facts)
-    set_artifact(model, Replayer(model, loaded))
+    encoder_side = None
+    if encoder_names:
+        encoder_side = loaded_encoder_side(
+            model, compile_config, projections, loaded, max_positions=encoder_limits["max_positions"]
+        )
+    set_artifact(model, Replayer(model, loaded, encoder_side))
     logger.info("%s", loaded.describe())
     return loaded
+
+
+def _cross_attention_projections(model) -> list | None:
+    """The cross-attention projections of `model`'s decoder layers (`cache.placement.cross_attention_projections`),
+    None where it has none."""
+    if not model.config.is_encoder_decoder:
+        return None
+    _, cross = attention_modules(model)
+    return cross_attention_projections(model, len(cross)) if cross else None
 
 
 def _settings_of(generate_kwargs: dict) -> dict:

@@ -294,7 +294,7 @@ def test_named_compiled_int8_rows_run_in_a_quick_run_against_the_eager_int8_mode
     json_path = tmp_path / "bench.json"
     args = ["bench", "--quick", "--models", "t5", "--calls", "2", "--threads", "1", "--no-progress"]
     args += ["--strategies", "flexible_static-padded-compiled-int8", "--json", str(json_path)]
-    args += ["--compile-cache", str(tmp_path / "cache")]
+    args += ["--compile-cache", str(tmp_path / "cache"), "--artifact", "none"]  # torch.compile's route
     runs = []
     for _ in range(2):
         printed = io.StringIO()
@@ -368,3 +368,61 @@ def test_bench_artifact_goes_to_compiled_flexible_strategies_only(monkeypatch, t
         main([*args, "--no-progress", "--strategies", strategies, "--artifact", str(tmp_path / "art")])
     assert list(seen) == [str(tmp_path / "art" / "t5" / "flexible_static-bucketed-compiled")]
     assert seen[str(tmp_path / "art" / "t5" / "flexible_static-bucketed-compiled")] is not None
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--compile-cache", "{cache}"], "{cache}/artifacts/t5/flexible_static-bucketed-compiled"),
+        (["--compile-cache", "{cache}", "--artifact", "none"], None),
+        (["--compile-cache", "none"], None),
+        (["--compile-cache", "{cache}", "--artifact", "{art}"], "{art}/t5/flexible_static-bucketed-compiled"),
+    ],
+    ids=["default-in-the-compile-cache", "none", "no-compile-cache", "named"],
+)
+def test_bench_artifacts_default_to_the_compile_cache_s_folder(monkeypatch, tmp_path, flags, expected):
+    # By default a compiled flexible strategy warms up from (or builds) its artifact in the compile cache's folder, so
+    # that a second run loads its graphs; `--artifact none` or no compile cache: torch.compile, as generate does.
+    import transformers_flexcache.bench.torch_runner as torch_runner
+
+    seen = []
+
+    def fake_warmup(model, make_inputs, *, max_new_tokens, artifact=None, **kwargs):
+        seen.append(artifact)
+        raise RuntimeError("stood in")
+
+    monkeypatch.setattr(torch_runner, "warmup", fake_warmup)
+    places = {"cache": str(tmp_path / "cache"), "art": str(tmp_path / "art")}
+    args = ["bench", "--quick", "--models", "t5", "--calls", "1", "--no-ctranslate2", "--threads", "1"]
+    args += ["--no-progress", "--strategies", "dynamic,flexible_static-bucketed-compiled"]
+    args += [flag.format(**places) for flag in flags]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        main(args)
+    assert seen == [None if expected is None else expected.format(**places)]
+    header = printed.getvalue().split("\n\n", 1)[0]
+    assert ("compiled artifacts:" in header) == (expected is not None)
+
+
+@pytest.mark.slow
+def test_a_second_bench_run_loads_the_artifacts_the_first_built_traces_nothing_and_gives_dynamic_cache_s_tokens(
+    tmp_path,
+):
+    # The default route of a compiled flexible strategy on a compile cache: the first run builds its artifact
+    # (AOTInductor, about a minute for the tiny T5), the second loads it: no graph traced, the same tokens.
+    json_path = tmp_path / "bench.json"
+    args = ["bench", "--quick", "--models", "t5", "--calls", "3", "--threads", "1", "--no-progress"]
+    args += ["--strategies", "dynamic,flexible_static-bucketed-compiled", "--no-ctranslate2"]
+    args += ["--compile-cache", str(tmp_path / "cache"), "--json", str(json_path)]
+    runs = []
+    for _ in range(2):
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert main(args) == 0
+        runs.append(json.loads(json_path.read_text())["models"]["t5"])
+    for run, done in zip(runs, ("built and loaded", "loaded"), strict=True):
+        compiled = run["strategies"]["flexible_static-bucketed-compiled"]
+        assert compiled["outputs_equal"] is True  # DynamicCache's tokens on every call
+        assert compiled["compiled_graphs"] == 0  # nothing traced: warm-up and stream ran the artifact's graphs
+        artifact = compiled["warm_up"]["artifact"]
+        assert artifact["built"] == (done != "loaded") and artifact["graphs"] >= 2
+        assert any(f"compiled artifact {done} in" in note for note in run["notes"])

@@ -119,12 +119,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--artifact",
-        metavar="DIR",
+        metavar="DIR|none",
         help="compiled artifacts (docs/compile.md): every compiled flexible strategy warms up from the folder "
-        "DIR/<model>/<strategy> (warmup(..., artifact=)): its graphs loaded, nothing traced; where it holds none for "
-        "this run's settings (the first run, other versions, CPU, weights or buckets), they are built into it "
-        "first (torch.export and AOTInductor) and then loaded: encoders, first and later decode steps. Upstream's "
-        "static-compiled strategy compiles as without it",
+        "DIR/<model>/<strategy> (warmup(..., artifact=)): its graphs loaded (encoder, first and later decode "
+        "steps), nothing traced; where it holds none for this run's settings (the first run, other versions, CPU, "
+        "weights or buckets), they are built into it first (torch.export and AOTInductor) and then loaded. "
+        "Upstream's static-compiled strategy compiles as without it. Default: the folder `artifacts` of the compile "
+        "cache (--compile-cache), so that a second run loads what the first built; `none` (or no compile cache): "
+        "those strategies compile with torch.compile, as generate(compile_config=...) does",
     )
     parser.add_argument("--no-ctranslate2", action="store_true", help="skip the CTranslate2 row for T5 and Marian")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -169,6 +171,7 @@ def rerun_for_isa(args) -> int | None:
 
 INDUCTOR_CACHE_NEW = "new"
 COMPILE_CACHE_NONE = "none"
+ARTIFACTS = "artifacts"  # the compiled artifacts' folder in the compile cache's
 
 
 def compile_cache_root(args) -> str | None:
@@ -179,6 +182,14 @@ def compile_cache_root(args) -> str | None:
     if args.compile_cache is None:
         return None if args.inductor_cache is not None else str(default_cache_dir())
     return None if args.compile_cache.lower() == COMPILE_CACHE_NONE else args.compile_cache
+
+
+def artifact_root(args, compile_cache: str | None) -> str | None:
+    """The compiled artifacts' folder of the run: `--artifact`, else `artifacts` in the compile cache folder; None for
+    `none`, or with no compile cache."""
+    if args.artifact is None:
+        return None if compile_cache is None else os.path.join(compile_cache, ARTIFACTS)
+    return None if args.artifact.lower() == COMPILE_CACHE_NONE else args.artifact
 
 
 def _model_compile_cache(root: str | None, model, args):
@@ -313,6 +324,7 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     machine["inductor_cache"] = inductor_cache_state(fresh=fresh_cache)
     root = compile_cache_root(args)
     machine["compile_cache"] = root
+    args.artifact = machine["artifacts"] = artifact_root(args, root)
     print(format_header(machine, args))
     results = []
     started = time.perf_counter()

@@ -65,6 +65,8 @@ class CallRecord:
     batch_size: int | None = None  # rows of the call (default: those of `tokens`)
     margins: torch.Tensor | None = None  # [B, N] top-1 minus top-2 score per step (reference strategies only)
     scores: torch.Tensor | None = None  # [B, N, V] each step's scores; dropped once compared (`ModelResult.add_call`)
+    # a warm-up from a compiled artifact (`bench --artifact`): {"directory", "built", "graphs", "seconds"}
+    artifact: dict | None = None
 
     def __post_init__(self):
         if self.batch_size is None and self.tokens.dim() == 2:
@@ -84,6 +86,7 @@ class CallRecord:
             "peak_cache_bytes": self.peak_cache_bytes,
             "peak_rss_growth_bytes": self.peak_rss_growth_bytes,
             "compiled_graphs": self.compiled_graphs,
+            **({"artifact": self.artifact} if self.artifact is not None else {}),
         }
 
 

@@ -274,6 +274,8 @@ def run_model(model: BenchModel, args, strategies: list[Strategy], log) -> Model
                 record = runner.warm_up_every_shape(
                     lambda b, n: model.make_inputs(config, b, n, generator), args.new_tokens
                 )
+                if record.artifact is not None:
+                    result.notes.append(artifact_note(runner.name, record.artifact))
             else:
                 record = runner.run(warm_up, min(2, args.new_tokens))
             result.warm_ups[runner.name] = record
@@ -446,6 +448,15 @@ def _differing_rows(index: int, record: CallRecord, reference: CallRecord) -> li
         margin = reference.margins[row, step].item() if reference.margins is not None else None
         rows.append({"call": index, "row": row, "step": step, "reference_margin": margin})
     return rows
+
+
+def artifact_note(name: str, artifact: dict) -> str:
+    """The note of a strategy that warmed up from its compiled artifact (`bench --artifact`)."""
+    done = "built and loaded" if artifact["built"] else "loaded"
+    return (
+        f"{name}: compiled artifact {done} in {artifact['seconds']:.1f} s ({artifact['graphs']} graphs, nothing "
+        f"traced; {artifact['directory']})"
+    )
 
 
 def _progress(stream, name: str, disable: bool):

@@ -517,6 +517,12 @@ def format_header(machine: dict, args) -> str:
             if machine.get("compile_cache")
             else _inductor_cache_line(machine.get("inductor_cache"))
         )
+        + (
+            f"\ncompiled artifacts: {machine['artifacts']} (the compiled flexible strategies' graphs: notes say "
+            "whether each was built or loaded)"
+            if machine.get("artifacts")
+            else ""
+        )
     )
 
 

@@ -11,12 +11,14 @@ Design decisions:
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
 from transformers import LogitsProcessorList
 
-from ..compile import compile_seconds, compile_settings, compiled_graph_count, warmup
+from ..compile import MANIFEST as ARTIFACT_MANIFEST
+from ..compile import artifact_of, compile_seconds, compile_settings, compiled_graph_count, warmup
 from .measure import CacheStorageTracker, CallRecord, ForwardTimer, PeakRss, StepTimer, returned_cache, top_margins
 from .strategies import Strategy
 from .stream import NoEndOfSequence
@@ -121,6 +123,7 @@ class TorchRunner:
         kwargs = {key: value for key, value in self.generate_kwargs.items() if key != "cache_implementation"}
         self.tracker.start_call()
         graphs_before, compile_before = compiled_graph_count(), compile_seconds()
+        manifest = None if self.artifact is None else _manifest_stamp(self.artifact)
         start = time.perf_counter()
         if self.artifact is not None:
             kwargs["artifact"] = self.artifact
@@ -130,6 +133,14 @@ class TorchRunner:
         _synchronize(self.device)
         wall_s = time.perf_counter() - start
         self.tracker.observe(self.model.flexible_cache)
+        artifact = None
+        if self.artifact is not None:
+            artifact = {
+                "directory": self.artifact,
+                "built": _manifest_stamp(self.artifact) != manifest,  # written by this warm-up, else loaded
+                "graphs": len(artifact_of(self.model).loaded.graphs),
+                "seconds": wall_s,
+            }
         return CallRecord(
             wall_s=wall_s,
             num_tokens=0,
@@ -140,7 +151,17 @@ class TorchRunner:
             compiled_graphs=compiled_graph_count() - graphs_before,
             compile_s=compile_seconds() - compile_before,
             batch_size=max(shape.batch_size for shape in shapes),
+            artifact=artifact,
         )
+
+
+def _manifest_stamp(directory: str):
+    """(modification time in ns, size) of the artifact folder's manifest, None where it has none."""
+    try:
+        stat = os.stat(os.path.join(directory, ARTIFACT_MANIFEST))
+    except OSError:
+        return None
+    return (stat.st_mtime_ns, stat.st_size)
 
 
 def _synchronize(device: torch.device) -> None:

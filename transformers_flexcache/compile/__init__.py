@@ -61,6 +61,7 @@ _NAMES = {
     "model_linear_shapes": "kernel_choice",
     # compiled artifacts
     "ArtifactRefused": "artifact",
+    "MANIFEST": "artifact",
     "LoadedArtifact": "artifact",
     "PackageGraph": "artifact",
     "artifact_facts": "artifact",

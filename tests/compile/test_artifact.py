@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from transformers_flexcache.compile import ArtifactRefused, load_artifact
-from transformers_flexcache.compile.artifact import differences, weights_digest
+from transformers_flexcache.compile.artifact import differences, program_signature, weights_digest
 
 
 def key(**changes) -> dict:
@@ -129,6 +129,54 @@ def test_a_lazy_load_checks_the_key_now_and_each_file_at_its_first_use(tmp_path,
     with pytest.raises(ArtifactRefused, match="is missing"):
         (tmp_path / damaged).unlink()
         load_artifact(tmp_path, key(), lazy=True)  # a missing file: at once, as its size
+
+
+def test_shapes_whose_graphs_are_equal_share_one_package_and_its_file_is_checked_once(tmp_path):
+    # A generate call's first decode step and its later steps have other descriptions and the same graph: the
+    # manifest names the later one `same_as` the first, which alone has a file; both load as one package.
+    graph = "graphs/a.pt2"
+    (tmp_path / "graphs").mkdir()
+    (tmp_path / graph).write_bytes(b"abcd")
+    files = {
+        graph: {"shape": ["a"], "bytes": 4, "sha256": "0" * 64, "extra": {"state": 1}},
+        "graphs/b.pt2": {"shape": ["b"], "same_as": graph, "extra": {"state": 2}},
+    }
+    write(tmp_path, {"key": key(), "files": files})
+    loaded = load_artifact(tmp_path, key(), lazy=True)
+    assert loaded.graphs[("a",)] is loaded.graphs[("b",)] and len(loaded.packages) == 1 and loaded.pending == 1
+    assert loaded.extras == {("a",): {"state": 1}, ("b",): {"state": 2}}  # each description keeps its own
+    assert "0 of 1 graphs loaded" in loaded.describe()
+    # an alias whose file the folder does not hold: refused
+    write(tmp_path, {"key": key(), "files": {"graphs/b.pt2": files["graphs/b.pt2"]}})
+    with pytest.raises(ArtifactRefused, match="is the same as graphs/a.pt2, which it does not hold"):
+        load_artifact(tmp_path, key(), lazy=True)
+
+
+def test_a_program_signature_is_equal_for_equal_graphs_only():
+    class Step(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 3)
+
+        def forward(self, x, scale: float):
+            return self.linear(x) * scale
+
+    step = Step()
+
+    def signature(x, scale=2.0, options=None):
+        program = torch.export.export(step, (x, scale), strict=False)
+        return program_signature(program, options or {"freezing": True})
+
+    first = signature(torch.randn(2, 4))
+    assert signature(torch.randn(2, 4)) == first  # other values, the same graph
+    assert signature(torch.randn(3, 4)) != first  # another shape
+    assert signature(torch.randn(4, 2).T) != first  # other strides
+    assert signature(torch.randn(2, 4), scale=3.0) != first  # a value the graph holds
+    assert signature(torch.randn(2, 4), options={"freezing": False}) != first  # other settings
+    other = Step()
+    step_before, step = step, other
+    assert signature(torch.randn(2, 4)) != first  # another module's weights
+    step = step_before
 
 
 def test_an_artifact_written_before_encoders_were_exported_is_refused_by_name():

@@ -142,6 +142,10 @@ def test_a_loaded_artifact_traces_nothing_and_gives_the_cold_compiled_tokens(tmp
     _build_and_load(builder, folder, compile_config, generator)
     manifest = json.loads((folder / "manifest.json").read_text())
     assert manifest["files"], "the artifact holds no graph"
+    # a call's first decode step and its later steps: two descriptions, one graph, one package
+    aliases = [entry["same_as"] for entry in manifest["files"].values() if "same_as" in entry]
+    assert aliases and all("same_as" not in manifest["files"][name] for name in aliases)
+    assert len(list((folder / "graphs").iterdir())) == len(manifest["files"]) - len(aliases)
     graphs = torch._dynamo.utils.counters["stats"]
     before = graphs["unique_graphs"]
     with caplog.at_level(logging.WARNING):

@@ -138,7 +138,7 @@ class TorchRunner:
             artifact = {
                 "directory": self.artifact,
                 "built": _manifest_stamp(self.artifact) != manifest,  # written by this warm-up, else loaded
-                "graphs": len(artifact_of(self.model).loaded.graphs),
+                "graphs": len(artifact_of(self.model).loaded.packages),
                 "seconds": wall_s,
             }
         return CallRecord(

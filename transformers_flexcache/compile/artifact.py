@@ -48,7 +48,7 @@ from .caching import environment_facts, model_facts
 
 logger = get_logger(__name__)
 
-FORMAT = 1
+FORMAT = 2  # 2: a graph equal to an earlier one of the folder is its `same_as` (no file of its own)
 MANIFEST = "manifest.json"
 GRAPHS = "graphs"
 
@@ -195,7 +195,7 @@ def write_artifact(directory, facts: dict, graphs: dict, compile_config, *, prog
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         (staging / GRAPHS).mkdir()
-        files, seconds = {}, {}
+        files, seconds, built = {}, {}, {}  # built: program signature -> the file compiled for it
         if progress is not None:
             progress(0, len(graphs))
         for done, (shape, graph) in enumerate(graphs.items(), start=1):
@@ -216,14 +216,20 @@ def write_artifact(directory, facts: dict, graphs: dict, compile_config, *, prog
                         raise ValueError(
                             f"{name}: torch.export refused it ({type(error).__name__}: {reason}){graph.export_hint}"
                         ) from error
-                aoti_compile_and_package(program, package_path=str(staging / name), inductor_configs=options)
+                signature = program_signature(program, options)
+                if signature not in built:
+                    aoti_compile_and_package(program, package_path=str(staging / name), inductor_configs=options)
+                    built[signature] = name
             files[name] = {"shape": list(shape), **({"extra": graph.extra} if graph.extra is not None else {})}
+            if built[signature] != name:  # the same graph as an earlier one (a first decode step and the later)
+                files[name]["same_as"] = built[signature]
             seconds[name] = round(time.perf_counter() - started, 2)
             if progress is not None:
                 progress(done, len(graphs))
         for name, entry in files.items():
-            path = staging / name
-            entry.update(bytes=path.stat().st_size, sha256=_sha256(path))
+            if "same_as" not in entry:
+                path = staging / name
+                entry.update(bytes=path.stat().st_size, sha256=_sha256(path))
         manifest = {"key": facts, "files": files, "compile_seconds": seconds}
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True, default=str))
         if target.exists():
@@ -234,6 +240,34 @@ def write_artifact(directory, facts: dict, graphs: dict, compile_config, *, prog
         raise
     logger.info("compiled artifact %s written: %d graphs", target, len(files))
     return manifest
+
+
+def program_signature(program: torch.export.ExportedProgram, options: dict) -> str:
+    """What an AOTInductor package of `program` under `options` depends on, as a SHA-256: its graph's code, its inputs'
+    and outputs' roles, each input's shape, dtype and strides, its ranges of dynamic sizes, its constants (lifted
+    tensors by their values, parameters and buffers by their storage: one model's) and the options. Two descriptions
+    of generate calls can differ where their graphs do not (a first decode step's cache state and the later steps'):
+    one package stands for both."""
+    digest = hashlib.sha256()
+    parts = [program.graph_module.code, str(program.graph_signature), str(program.range_constraints), repr(options)]
+    for node in program.graph.find_nodes(op="placeholder"):
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            parts.append(f"{node.name} {tuple(value.shape)} {value.dtype} {value.stride()}")
+        else:
+            parts.append(f"{node.name} {value!r}")
+    for name, tensor in sorted(program.state_dict.items()):
+        parts.append(f"{name} {tuple(tensor.shape)} {tensor.dtype} {tensor.untyped_storage().data_ptr()}")
+    for name, value in sorted(program.constants.items()):
+        if isinstance(value, torch.Tensor):
+            data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            parts.append(f"{name} {tuple(value.shape)} {value.dtype} {hashlib.sha256(data).hexdigest()}")
+        else:
+            parts.append(f"{name} {type(value).__name__} {id(value)}")  # an object: never taken as equal
+    for part in parts:
+        digest.update(part.encode())
+        digest.update(b"\0")
+    return digest.hexdigest()
 
 
 class ArtifactRefused(Exception):
@@ -304,7 +338,7 @@ class LoadedArtifact:
         directory: the folder.
         graphs: `{shape: PackageGraph}`: each takes the graph's tensors (a list, in the caller's order) and returns
             its outputs (a list); loaded already, or at its first use (`load_artifact(..., lazy=True)`), or by
-            `load_next()`.
+            `load_next()`. Shapes whose graphs were equal share one (`packages`: each once).
         seconds: the load's (the key's and the manifest's checks, and the graphs loaded then).
         extras: `{shape: extra}` of the graphs written with one (`write_artifact`).
     """
@@ -315,23 +349,27 @@ class LoadedArtifact:
     extras: dict = dataclasses.field(default_factory=dict)
 
     @property
+    def packages(self) -> list:
+        """The folder's packages (`PackageGraph`), each once: several shapes may share one (`same_as`)."""
+        return list({id(graph): graph for graph in self.graphs.values()}.values())
+
+    @property
     def pending(self) -> int:
-        """Graphs not loaded yet (nor refused)."""
-        return sum(graph.pending for graph in self.graphs.values())
+        """Packages not loaded yet (nor refused)."""
+        return sum(graph.pending for graph in self.packages)
 
     def load_next(self) -> bool:
-        """Load one graph not loaded yet (False: none was left); a damaged one is refused as at its first use."""
-        graph = next((graph for graph in self.graphs.values() if graph.pending), None)
+        """Load one package not loaded yet (False: none was left); a damaged one is refused as at its first use."""
+        graph = next((graph for graph in self.packages if graph.pending), None)
         if graph is None:
             return False
         graph.runner()
         return True
 
     def describe(self) -> str:
-        loaded = sum(graph.loaded for graph in self.graphs.values())
-        return (
-            f"compiled artifact {self.directory}: {loaded} of {len(self.graphs)} graphs loaded in {self.seconds:.1f} s"
-        )
+        packages = self.packages
+        loaded = sum(graph.loaded for graph in packages)
+        return f"compiled artifact {self.directory}: {loaded} of {len(packages)} graphs loaded in {self.seconds:.1f} s"
 
 
 def load_artifact(directory, facts: dict, *, lazy: bool = False) -> LoadedArtifact:
@@ -359,18 +397,24 @@ def load_artifact(directory, facts: dict, *, lazy: bool = False) -> LoadedArtifa
         raise ArtifactRefused(f"{root}/{MANIFEST} is unreadable ({error})") from error
     if found != facts:
         raise ArtifactRefused(f"{root} was compiled for another setting: {'; '.join(differences(found, facts))}")
-    graphs, extras = {}, {}
-    for name, entry in files.items():
-        path = root / name
-        if not path.is_file():
-            raise ArtifactRefused(f"{root}: {name} is missing")
-        if path.stat().st_size != entry["bytes"]:
-            raise ArtifactRefused(f"{root}: {name} changed since it was written")
-        graphs[tuple(entry["shape"])] = PackageGraph(root, name, entry)
+    graphs, extras, packages = {}, {}, {}
+    for name, entry in sorted(files.items(), key=lambda item: "same_as" in item[1]):  # each file before its aliases
+        if "same_as" in entry:
+            if entry["same_as"] not in packages:
+                raise ArtifactRefused(f"{root}: {name} is the same as {entry['same_as']}, which it does not hold")
+            package = packages[entry["same_as"]]  # one loaded library for both
+        else:
+            path = root / name
+            if not path.is_file():
+                raise ArtifactRefused(f"{root}: {name} is missing")
+            if path.stat().st_size != entry["bytes"]:
+                raise ArtifactRefused(f"{root}: {name} changed since it was written")
+            package = packages[name] = PackageGraph(root, name, entry)
+        graphs[tuple(entry["shape"])] = package
         if "extra" in entry:
             extras[tuple(entry["shape"])] = entry["extra"]
     if not lazy:
-        for graph in graphs.values():
+        for graph in packages.values():
             graph.load()
     return LoadedArtifact(str(root), graphs, time.perf_counter() - started, extras)
 

@@ -130,10 +130,10 @@ class Warmup:
             loaded = self.engine.artifact
             body["artifact"] = {
                 "directory": str(self.artifact),
-                "graphs": len(loaded.graphs) if loaded is not None else 0,
+                "graphs": len(loaded.packages) if loaded is not None else 0,
                 # loaded lazily, when the engine is idle or at a graph's first use (`Engine.warmup(artifact=)`)
-                "loaded": sum(graph.loaded for graph in loaded.graphs.values()) if loaded is not None else 0,
-                "damaged": [g.error for g in loaded.graphs.values() if g.error] if loaded is not None else [],
+                "loaded": sum(graph.loaded for graph in loaded.packages) if loaded is not None else 0,
+                "damaged": [g.error for g in loaded.packages if g.error] if loaded is not None else [],
                 "refused": self.engine.artifact_refused,
             }
         if self.error is not None:

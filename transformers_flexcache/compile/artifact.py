@@ -257,7 +257,7 @@ def program_signature(program: torch.export.ExportedProgram, options: dict) -> s
         else:
             parts.append(f"{node.name} {value!r}")
     for name, tensor in sorted(program.state_dict.items()):
-        parts.append(f"{name} {tuple(tensor.shape)} {tensor.dtype} {tensor.untyped_storage().data_ptr()}")
+        parts.append(f"{name} {tuple(tensor.shape)} {tensor.dtype} {_storage_identity(tensor)}")
     for name, value in sorted(program.constants.items()):
         if isinstance(value, torch.Tensor):
             data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
@@ -268,6 +268,15 @@ def program_signature(program: torch.export.ExportedProgram, options: dict) -> s
         digest.update(part.encode())
         digest.update(b"\0")
     return digest.hexdigest()
+
+
+def _storage_identity(tensor: torch.Tensor) -> str:
+    """Where `tensor`'s values live: its storage's address, or for a tensor subclass without one (torchao's int8
+    weights) the object itself."""
+    try:
+        return f"storage {tensor.untyped_storage().data_ptr()}"
+    except (RuntimeError, NotImplementedError):
+        return f"object {id(tensor)}"
 
 
 class ArtifactRefused(Exception):

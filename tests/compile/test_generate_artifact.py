@@ -16,7 +16,7 @@ import logging
 import pytest
 import torch
 
-from tests.model_cases import T5
+from tests.model_cases import LLAMA, T5
 from transformers_flexcache import compile_config_for_cpu, warmup
 from transformers_flexcache.compile import ArtifactRefused, LoadedArtifact, load_artifact
 from transformers_flexcache.compile.generate_artifact import (
@@ -174,3 +174,39 @@ def test_a_loaded_artifact_traces_nothing_and_gives_the_cold_compiled_tokens(tmp
     changed = {**manifest["key"], "weights": "0" * 64}
     with pytest.raises(ArtifactRefused, match="weights differ"):
         load_artifact(folder, changed)
+
+
+@pytest.mark.slow
+def test_a_decoder_only_artifact_serves_prompts_shorter_than_the_warm_up_s_without_tracing(tmp_path):
+    # A padded call's prompt is left-padded to the bucket; how many columns (`num_prompt_pad`, the lender's
+    # bookkeeping, which no step reads) differs from call to call and was part of the description: every call of a
+    # shorter prompt than the warm-up's missed the artifact and compiled (the bench's Llama rows compiled 1-4 graphs).
+    cache_config = {"shape_policy": "padded", "max_batch_size": 2, "max_cache_len": 24, "max_prompt_len": 12}
+    upstream, flex = LLAMA.build("sdpa")
+    compile_config = compile_config_for_cpu()
+    generator = torch.Generator().manual_seed(0)
+    warmup(
+        flex,
+        lambda b, n: LLAMA.make_inputs(b, n, generator),
+        max_new_tokens=4,
+        cache_config=cache_config,
+        compile_config=compile_config,
+        artifact=tmp_path / "artifact",
+    )
+    graphs = torch._dynamo.utils.counters["stats"]
+    before = graphs["unique_graphs"]
+    for batch_size, length in [(2, 7), (1, 4), (2, 12)]:
+        inputs = LLAMA.make_inputs(batch_size, length, torch.Generator().manual_seed(batch_size * 10 + length))
+        expected = upstream.generate(**inputs, max_new_tokens=4, do_sample=False)
+        actual = flex.generate(
+            **inputs,
+            max_new_tokens=4,
+            do_sample=False,
+            cache_implementation="flexible_static",
+            cache_config=cache_config,
+            compile_config=compile_config,
+        )
+        assert torch.equal(actual, expected)
+        assert flex.flexible_cache.num_prompt_pad == 12 - length  # the call's own, not the warm-up's
+    assert graphs["unique_graphs"] == before, "a call traced a graph"
+    assert not artifact_of(flex).missed

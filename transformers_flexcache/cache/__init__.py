@@ -37,7 +37,7 @@ from .placement import layer_specs_for_model
 from .seats import FlexibleSeatCache, FlexibleSeatEncoderDecoderCache
 from .sliding import FlexiblePaddedSlidingWindowLayer, FlexibleSlidingWindowLayer
 from .specs import layer_specs_from_config
-from .state import state_objects, tensor_slots
+from .state import NOT_READ_BY_A_STEP, state_objects, tensor_slots
 
 __all__ = [
     "CacheConfig",
@@ -54,6 +54,7 @@ __all__ = [
     "FlexibleStaticCache",
     "FlexibleStaticLayer",
     "LayerSpec",
+    "NOT_READ_BY_A_STEP",
     "Need",
     "Overflow",
     "Reservation",

@@ -15,6 +15,11 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 _WING = __name__.rsplit(".", 1)[0]  # transformers_flexcache.cache
+# Plain attributes of cache objects that are the lender's bookkeeping between calls, which no step reads (a model's
+# forward, the cache's `update`, `get_kv`...): a description of a step's state leaves them out, and a replayed step
+# leaves them as the call set them. `num_prompt_pad`: the left padding of the prompt of the call that filled the cache
+# (set by `generate/plan.py`, read by the policies before a continuation), which differs from call to call.
+NOT_READ_BY_A_STEP = frozenset({"num_prompt_pad"})
 
 
 def _is_cache_object(value) -> bool:

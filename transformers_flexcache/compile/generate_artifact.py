@@ -34,13 +34,17 @@ from transformers.cache_utils import Cache
 from transformers.modeling_outputs import BaseModelOutput
 from transformers.utils import ModelOutput
 
-from ..cache import state_objects, tensor_slots
+from ..cache import NOT_READ_BY_A_STEP, state_objects, tensor_slots
 from ..log import get_logger
 from .config import compile_settings
 
 logger = get_logger(__name__)
 
 PACKAGE_PREFIX = "transformers_flexcache"
+# What a call's description holds (`describe`), in the artifact's key: a folder written with other descriptions would
+# load and then miss every call. 2: the lender's bookkeeping left out (`cache.NOT_READ_BY_A_STEP`), the encoder's
+# outputs as upstream passes them.
+DESCRIPTION_VERSION = 2
 ARTIFACT_ATTRIBUTE = "_flex_generate_artifact"  # on the model: its Recorder or Replayer
 _PLAIN = (bool, int, float, str, type(None))
 
@@ -57,10 +61,12 @@ def _plain(value) -> bool:
 
 def plain_state(cache) -> list:
     """`[[object index, attribute, value], ...]`: every plain value (numbers, strings, None, and lists or dicts of
-    them) of the cache's objects (`state_objects`); JSON-able."""
+    them) of the cache's objects (`state_objects`) but those no step reads (`NOT_READ_BY_A_STEP`); JSON-able."""
     state = []
     for index, obj in enumerate(state_objects(cache)):
         for name, value in sorted(vars(obj).items()):
+            if name in NOT_READ_BY_A_STEP:  # the lender's bookkeeping between calls: no step reads it
+                continue
             if isinstance(value, _PLAIN):
                 state.append([index, name, value])
             elif _plain(value):  # lists and dicts as JSON holds them

@@ -28,7 +28,7 @@ from .artifact import MANIFEST, ArtifactRefused, artifact_facts, load_artifact, 
 from .caching import compile_cache, model_facts
 from .encoder import encoder_graph, encoder_warmup_calls, has_int8_variants
 from .encoder_artifact import encoder_artifact_graphs, encoder_graph_names, loaded_encoder_side
-from .generate_artifact import Recorder, Replayer, set_artifact
+from .generate_artifact import DESCRIPTION_VERSION, Recorder, Replayer, set_artifact
 
 # Forwards of each warm-up call: the first, one decode step that compiles, one that records CUDA graphs.
 WARMUP_FORWARDS = 3
@@ -179,6 +179,7 @@ def _warmup_artifact(model, make_inputs, shapes, config, compile_config, generat
         "cache_config": config.to_dict(),
         "generate_kwargs": _settings_of(generate_kwargs),
         "encoder_graphs": encoder_names,
+        "description": DESCRIPTION_VERSION,
     }
     facts = artifact_facts(model, compile_config, shapes=[dataclasses.astuple(call) for call in shapes], caller=caller)
     set_artifact(model, None)

@@ -206,6 +206,11 @@ def _warmup_artifact(model, make_inputs, shapes, config, compile_config, generat
             model, compile_config, projections, loaded, max_positions=encoder_limits["max_positions"]
         )
     set_artifact(model, Replayer(model, loaded, encoder_side))
+    # Each shape's calls once more, now on the loaded graphs: a package's first run pays what a compile's warm-up
+    # call pays (its constants' pages, the libraries' kernels made for its shapes), 80-250 ms a package in the
+    # bench's stream, where a call of the same bucket later took 10-30 ms to its first token
+    with torch.no_grad():
+        _run_shapes(model, make_inputs, shapes, config, compile_config, generate_kwargs)
     logger.info("%s", loaded.describe())
     return loaded
 

@@ -110,12 +110,12 @@ def test_warmup_with_an_artifact_needs_a_compile_config(tmp_path):
     assert not (tmp_path / "art").exists()
 
 
-def _build_and_load(flex, folder, compile_config, generator):
+def _build_and_load(flex, folder, compile_config, generator, *, case=T5, cache_config=CACHE_CONFIG, new_tokens=3):
     return warmup(
         flex,
-        lambda b, n: T5.make_inputs(b, n, generator),
-        max_new_tokens=3,
-        cache_config=CACHE_CONFIG,
+        lambda b, n: case.make_inputs(b, n, generator),
+        max_new_tokens=new_tokens,
+        cache_config=cache_config,
         compile_config=compile_config,
         artifact=folder,
     )
@@ -187,13 +187,8 @@ def test_a_decoder_only_artifact_serves_prompts_shorter_than_the_warm_up_s_witho
     upstream, flex = LLAMA.build("sdpa")
     compile_config = compile_config_for_cpu()
     generator = torch.Generator().manual_seed(0)
-    warmup(
-        flex,
-        lambda b, n: LLAMA.make_inputs(b, n, generator),
-        max_new_tokens=4,
-        cache_config=cache_config,
-        compile_config=compile_config,
-        artifact=tmp_path / "artifact",
+    _build_and_load(
+        flex, tmp_path / "artifact", compile_config, generator, case=LLAMA, cache_config=cache_config, new_tokens=4
     )
     graphs = torch._dynamo.utils.counters["stats"]
     before = graphs["unique_graphs"]

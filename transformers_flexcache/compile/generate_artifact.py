@@ -267,9 +267,15 @@ class Replayer:
         # milliseconds on a t5-small-sized model). The same reasoning as `hooks.GuardsOfFirstStep`: between the
         # steps of one call nothing but the step itself changes the cache.
         last = {}
+        converted = {}  # the encoder outputs of the call's steps (one object), and what they were taken as
 
         def forward(**kwargs):
-            kwargs = encoder_outputs_as_upstream_passes_them(kwargs)
+            outputs = kwargs.get("encoder_outputs")
+            if outputs is not None:
+                if converted.get("from") is not outputs:  # once per call, not at every step
+                    taken = encoder_outputs_as_upstream_passes_them({"encoder_outputs": outputs})
+                    converted.update({"from": outputs, "to": taken["encoder_outputs"]})
+                kwargs = {**kwargs, "encoder_outputs": converted["to"]}
             leaves, spec = pytree.tree_flatten(kwargs)
             quick = (spec, tuple(_quick(leaf) for leaf in leaves))
             if last.get("quick") == quick:  # a steady step like the one before (see above)

@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from ..log import get_logger
+from .builds import Builds, build_workers
 from .caching import environment_facts, model_facts
 
 logger = get_logger(__name__)
@@ -169,19 +170,20 @@ class ArtifactGraph:
     export_hint: str = ""
 
 
-def write_artifact(directory, facts: dict, graphs: dict, compile_config, *, progress=None) -> dict:
+def write_artifact(directory, facts: dict, graphs: dict, compile_config, *, progress=None, workers=None) -> dict:
     """Export and compile each graph of `graphs` (`{shape: ArtifactGraph}`, or `{shape: (module or its
     ExportedProgram, example_inputs)}`, or `(module, example_inputs, extra)` with a JSON-able `extra` kept in the
     manifest for the loader, `LoadedArtifact.extras`) with AOTInductor under the settings of `compile_config` (or the
     graph's own), into the folder `directory` (replaced as a whole when it exists); returns the manifest. A shape is
     a tuple of sizes, or of names for a graph of dynamic sizes (`("encoder",)`); it names the graph's file.
 
+    Each graph is exported here; the builds run `workers` at a time in forked processes (`compile/builds.py`; default
+    `build_workers()`: the CPUs this process may run on), and one whose process failed is built again here.
+
     Raises:
         ValueError: `directory` exists and is not an artifact folder (no manifest): it is left alone; or
             `torch.export` refused a graph (nothing is written).
     """
-    from torch._inductor import aoti_compile_and_package
-
     from .config import compile_settings
 
     target = Path(directory).expanduser().resolve()
@@ -193,39 +195,48 @@ def write_artifact(directory, facts: dict, graphs: dict, compile_config, *, prog
             )
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    files, seconds, built = {}, {}, {}  # built: program signature -> the file compiled for it
+    finished = []
+
+    def done(name: str, build_seconds: float) -> None:  # a package written (or the same as one)
+        seconds[name] = round(seconds.get(name, 0.0) + build_seconds, 2)
+        finished.append(name)
+        if progress is not None:
+            progress(len(finished), len(graphs))
+
     try:
         (staging / GRAPHS).mkdir()
-        files, seconds, built = {}, {}, {}  # built: program signature -> the file compiled for it
         if progress is not None:
             progress(0, len(graphs))
-        for done, (shape, graph) in enumerate(graphs.items(), start=1):
-            graph = graph if isinstance(graph, ArtifactGraph) else ArtifactGraph(*graph)
-            config = graph.compile_config if graph.compile_config is not None else compile_config
-            options = dict(getattr(config, "options", None) or {})
-            started = time.perf_counter()
-            name = f"{GRAPHS}/{graph_name(shape)}.pt2"
-            with torch.no_grad(), compile_settings(config):
-                program = graph.module
-                if not isinstance(program, torch.export.ExportedProgram):
-                    try:
-                        program = torch.export.export(
-                            program, tuple(graph.inputs), dynamic_shapes=graph.dynamic_shapes, strict=False
-                        )
-                    except Exception as error:  # any refusal of torch.export: say which graph, and why
-                        reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
-                        raise ValueError(
-                            f"{name}: torch.export refused it ({type(error).__name__}: {reason}){graph.export_hint}"
-                        ) from error
-                signature = program_signature(program, options)
-                if signature not in built:
-                    aoti_compile_and_package(program, package_path=str(staging / name), inductor_configs=options)
-                    built[signature] = name
-            files[name] = {"shape": list(shape), **({"extra": graph.extra} if graph.extra is not None else {})}
-            if built[signature] != name:  # the same graph as an earlier one (a first decode step and the later)
-                files[name]["same_as"] = built[signature]
-            seconds[name] = round(time.perf_counter() - started, 2)
-            if progress is not None:
-                progress(done, len(graphs))
+        with Builds(build_workers(workers), done=done) as builds:
+            for shape, graph in graphs.items():
+                graph = graph if isinstance(graph, ArtifactGraph) else ArtifactGraph(*graph)
+                config = graph.compile_config if graph.compile_config is not None else compile_config
+                options = dict(getattr(config, "options", None) or {})
+                started = time.perf_counter()
+                name = f"{GRAPHS}/{graph_name(shape)}.pt2"
+                with torch.no_grad(), compile_settings(config):
+                    program = graph.module
+                    if not isinstance(program, torch.export.ExportedProgram):
+                        try:
+                            program = torch.export.export(
+                                program, tuple(graph.inputs), dynamic_shapes=graph.dynamic_shapes, strict=False
+                            )
+                        except Exception as error:  # any refusal of torch.export: say which graph, and why
+                            reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
+                            raise ValueError(
+                                f"{name}: torch.export refused it ({type(error).__name__}: {reason}){graph.export_hint}"
+                            ) from error
+                    signature = program_signature(program, options)
+                files[name] = {"shape": list(shape), **({"extra": graph.extra} if graph.extra is not None else {})}
+                seconds[name] = time.perf_counter() - started  # its export; its build's seconds are added
+                if signature in built:  # the same graph as an earlier one (a first decode step and the later)
+                    files[name]["same_as"] = built[signature]
+                    done(name, 0.0)
+                    continue
+                built[signature] = name
+                builds.submit(name, _package_build(program, staging / name, options, config))
+            builds.finish()
         for name, entry in files.items():
             if "same_as" not in entry:
                 path = staging / name
@@ -240,6 +251,21 @@ def write_artifact(directory, facts: dict, graphs: dict, compile_config, *, prog
         raise
     logger.info("compiled artifact %s written: %d graphs", target, len(files))
     return manifest
+
+
+def _package_build(program, path: Path, options: dict, config):
+    """The build of one package: `aoti_compile_and_package` under `config`'s settings (run by `Builds`, in a worker
+    process or here)."""
+
+    def build() -> None:
+        from torch._inductor import aoti_compile_and_package
+
+        from .config import compile_settings
+
+        with torch.no_grad(), compile_settings(config):
+            aoti_compile_and_package(program, package_path=str(path), inductor_configs=options)
+
+    return build
 
 
 def program_signature(program: torch.export.ExportedProgram, options: dict) -> str:

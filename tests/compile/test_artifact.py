@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from transformers_flexcache.compile import ArtifactRefused, load_artifact
+from transformers_flexcache.compile import ArtifactRefused, artifact, compile_config_for_cpu, load_artifact
 from transformers_flexcache.compile.artifact import differences, program_signature, weights_digest
 
 
@@ -177,6 +177,35 @@ def test_a_program_signature_is_equal_for_equal_graphs_only():
     step_before, step = step, other
     assert signature(torch.randn(2, 4)) != first  # another module's weights
     step = step_before
+    # graph passes by their class and uuid (as inductor's cache keys them), not by the objects' addresses
+    one, two = compile_config_for_cpu(), compile_config_for_cpu()
+    assert signature(torch.randn(2, 4), options=dict(one.options)) == signature(
+        torch.randn(2, 4), options=dict(two.options)
+    )
+    mkl = compile_config_for_cpu(linear_kernels="mkl")
+    assert signature(torch.randn(2, 4), options=dict(mkl.options)) != signature(
+        torch.randn(2, 4), options=dict(one.options)
+    )
+
+
+def test_a_package_this_process_wrote_is_linked_only_while_its_bytes_are_those_it_was_written_with(tmp_path):
+    source = tmp_path / "first" / "graph.pt2"
+    source.parent.mkdir()
+    source.write_bytes(b"package bytes")
+    key = ("weights digest", "program signature")
+    artifact._WRITTEN[key] = (source, artifact._sha256(source))
+    try:
+        assert artifact._link_written(key, tmp_path / "linked.pt2")
+        assert (tmp_path / "linked.pt2").samefile(source)
+        assert not artifact._link_written(("other weights", "program signature"), tmp_path / "other.pt2")
+        assert not artifact._link_written((None, "program signature"), tmp_path / "none.pt2")  # no weights digest
+        source.write_bytes(b"package bytez")  # changed since it was written: built instead
+        assert not artifact._link_written(key, tmp_path / "changed.pt2")
+        source.unlink()  # removed: built instead
+        assert not artifact._link_written(key, tmp_path / "removed.pt2")
+        assert not any((tmp_path / name).exists() for name in ("other.pt2", "none.pt2", "changed.pt2", "removed.pt2"))
+    finally:
+        artifact._WRITTEN.pop(key, None)
 
 
 def test_a_program_signature_takes_int8_weights_without_a_storage():

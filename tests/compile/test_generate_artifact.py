@@ -207,3 +207,39 @@ def test_a_decoder_only_artifact_serves_prompts_shorter_than_the_warm_up_s_witho
         assert flex.flexible_cache.num_prompt_pad == 12 - length  # the call's own, not the warm-up's
     assert graphs["unique_graphs"] == before, "a call traced a graph"
     assert not artifact_of(flex).missed
+
+
+@pytest.mark.slow
+def test_a_second_strategy_s_folder_links_the_packages_this_process_built_for_the_first(tmp_path):
+    # One model, two strategies (padded, then bucketed at the same capacities), each with its own compile config: the
+    # encoder side's graph is the same program, so the second folder takes the first's package (a hard link), and its
+    # calls still give upstream's DynamicCache tokens.
+    upstream, flex = T5.build("sdpa")
+    generator = torch.Generator().manual_seed(0)
+    padded, bucketed = tmp_path / "padded", tmp_path / "bucketed"
+    _build_and_load(flex, padded, compile_config_for_cpu(), generator)
+    set_artifact(flex, None)
+    cache_config = {**CACHE_CONFIG, "shape_policy": "bucketed", "buckets": {"max_batch_size": [1]}}
+    compile_config = compile_config_for_cpu()
+    _build_and_load(flex, bucketed, compile_config, generator, cache_config=cache_config)
+    linked = {
+        path.name
+        for path in (bucketed / "graphs").iterdir()
+        if any(path.samefile(other) for other in (padded / "graphs").iterdir())
+    }
+    assert "packed_encoder.pt2" in linked
+    manifests = [json.loads((folder / "manifest.json").read_text())["files"] for folder in (padded, bucketed)]
+    assert manifests[0]["graphs/packed_encoder.pt2"]["sha256"] == manifests[1]["graphs/packed_encoder.pt2"]["sha256"]
+    for batch_size, length in [(2, 7), (1, 4)]:
+        inputs = T5.make_inputs(batch_size, length, torch.Generator().manual_seed(batch_size * 10 + length))
+        expected = upstream.generate(**inputs, max_new_tokens=3, do_sample=False)
+        actual = flex.generate(
+            **inputs,
+            max_new_tokens=3,
+            do_sample=False,
+            cache_implementation="flexible_static",
+            cache_config=cache_config,
+            compile_config=compile_config,
+        )
+        assert torch.equal(actual, expected)
+    assert not artifact_of(flex).missed

@@ -196,6 +196,7 @@ def write_artifact(directory, facts: dict, graphs: dict, compile_config, *, prog
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     files, seconds, built = {}, {}, {}  # built: program signature -> the file compiled for it
+    written = {}  # file -> (weights, program signature): `_WRITTEN`'s key
     finished = []
 
     def done(name: str, build_seconds: float) -> None:  # a package written (or the same as one)
@@ -235,6 +236,10 @@ def write_artifact(directory, facts: dict, graphs: dict, compile_config, *, prog
                     done(name, 0.0)
                     continue
                 built[signature] = name
+                written[name] = (facts.get("weights"), signature)
+                if _link_written(written[name], staging / name):  # this process built it for another folder
+                    done(name, 0.0)
+                    continue
                 builds.submit(name, _package_build(program, staging / name, options, config))
             builds.finish()
         for name, entry in files.items():
@@ -249,8 +254,39 @@ def write_artifact(directory, facts: dict, graphs: dict, compile_config, *, prog
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    for name, key in written.items():
+        _WRITTEN[key] = (target / name, files[name]["sha256"])
     logger.info("compiled artifact %s written: %d graphs", target, len(files))
     return manifest
+
+
+# The packages this process wrote, by the weights' SHA-256 and the program's signature (`program_signature`: its
+# parameters by their storage, so only this process's): a folder of another strategy of the same model (a padded
+# strategy's encoder graphs and a bucketed one's) takes such a package as a hard link (or a copy) instead of a build.
+_WRITTEN: dict[tuple, tuple[Path, str]] = {}
+
+
+def _link_written(key: tuple, path: Path) -> bool:
+    """Put at `path` the package this process wrote for `key`, as a hard link (a copy across file systems), where it
+    is still there with the bytes it was written with (its SHA-256 checked); False where not (then it is built)."""
+    earlier = _WRITTEN.get(key)
+    if earlier is None or key[0] is None:
+        return False
+    source, sha256 = earlier
+    try:
+        if _sha256(source) != sha256:
+            return False
+        try:
+            os.link(source, path)
+        except OSError:
+            shutil.copyfile(source, path)
+    except OSError:  # removed, unreadable: built instead
+        path.unlink(missing_ok=True)
+        return False
+    logger.info(
+        "compiled artifact: %s is %s, built earlier by this process (linked, not built again)", path.name, source
+    )
+    return True
 
 
 def _package_build(program, path: Path, options: dict, config):
@@ -275,7 +311,8 @@ def program_signature(program: torch.export.ExportedProgram, options: dict) -> s
     of generate calls can differ where their graphs do not (a first decode step's cache state and the later steps'):
     one package stands for both."""
     digest = hashlib.sha256()
-    parts = [program.graph_module.code, str(program.graph_signature), str(program.range_constraints), repr(options)]
+    parts = [program.graph_module.code, str(program.graph_signature), str(program.range_constraints)]
+    parts.append(_options_text(options))
     for node in program.graph.find_nodes(op="placeholder"):
         value = node.meta.get("val")
         if isinstance(value, torch.Tensor):
@@ -294,6 +331,20 @@ def program_signature(program: torch.export.ExportedProgram, options: dict) -> s
         digest.update(part.encode())
         digest.update(b"\0")
     return digest.hexdigest()
+
+
+def _options_text(value) -> str:
+    """`value` (inductor options) as text in which a graph pass is its class and `uuid()` (what inductor's own cache
+    keys a custom pass on: equal passes of two compile configs are one text, where `repr` names each object's address).
+    """
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{key!r}: {_options_text(item)}" for key, item in sorted(value.items())) + "}"
+    if isinstance(value, list | tuple):
+        return "(" + ", ".join(_options_text(item) for item in value) + ")"
+    uuid = getattr(value, "uuid", None)
+    if callable(uuid):
+        return f"{type(value).__module__}.{type(value).__qualname__}:{uuid()}"
+    return repr(value)
 
 
 def _storage_identity(tensor: torch.Tensor) -> str:

@@ -130,6 +130,9 @@ TORCH_NAMES: dict[str, TorchName] = {
     "torch._inductor.config.cpp.enable_kernel_profile": TorchName(
         "config", "bench-profile records each C++ kernel in torch's profiler (runtime.kernel_profile_compile)"
     ),
+    "torch._inductor.config.cpp.threads": TorchName(
+        "config", "a forked artifact build (compile/builds.py) generates code for the parent's thread count"
+    ),
     "torch._inductor.config.patch": TorchName("object", "trace-time inductor settings (padding.compile_settings)"),
     "torch._inductor.custom_graph_pass.CustomGraphPass": TorchName("object", f"the base class of {_PASSES}"),
     "torch._inductor.custom_graph_pass.get_hash_for_files": TorchName(

@@ -121,6 +121,21 @@ def _build_and_load(flex, folder, compile_config, generator, *, case=T5, cache_c
     )
 
 
+def _tokens(upstream, flex, case, shape, cache_config, compile_config, new_tokens):
+    """(flex's flexible-static tokens, upstream's DynamicCache tokens) of one greedy call on seeded inputs of `shape`."""
+    inputs = case.make_inputs(*shape, torch.Generator().manual_seed(shape[0] * 10 + shape[1]))
+    expected = upstream.generate(**inputs, max_new_tokens=new_tokens, do_sample=False)
+    actual = flex.generate(
+        **inputs,
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        cache_implementation="flexible_static",
+        cache_config=cache_config,
+        compile_config=compile_config,
+    )
+    return actual, expected
+
+
 @pytest.mark.slow
 def test_a_loaded_artifact_traces_nothing_and_gives_the_cold_compiled_tokens(tmp_path, caplog):
     # Three copies of one seeded tiny T5: one cold-compiled (warmup() without an artifact), one that builds the
@@ -193,16 +208,7 @@ def test_a_decoder_only_artifact_serves_prompts_shorter_than_the_warm_up_s_witho
     graphs = torch._dynamo.utils.counters["stats"]
     before = graphs["unique_graphs"]
     for batch_size, length in [(2, 7), (1, 4), (2, 12)]:
-        inputs = LLAMA.make_inputs(batch_size, length, torch.Generator().manual_seed(batch_size * 10 + length))
-        expected = upstream.generate(**inputs, max_new_tokens=4, do_sample=False)
-        actual = flex.generate(
-            **inputs,
-            max_new_tokens=4,
-            do_sample=False,
-            cache_implementation="flexible_static",
-            cache_config=cache_config,
-            compile_config=compile_config,
-        )
+        actual, expected = _tokens(upstream, flex, LLAMA, (batch_size, length), cache_config, compile_config, 4)
         assert torch.equal(actual, expected)
         assert flex.flexible_cache.num_prompt_pad == 12 - length  # the call's own, not the warm-up's
     assert graphs["unique_graphs"] == before, "a call traced a graph"
@@ -231,15 +237,6 @@ def test_a_second_strategy_s_folder_links_the_packages_this_process_built_for_th
     manifests = [json.loads((folder / "manifest.json").read_text())["files"] for folder in (padded, bucketed)]
     assert manifests[0]["graphs/packed_encoder.pt2"]["sha256"] == manifests[1]["graphs/packed_encoder.pt2"]["sha256"]
     for batch_size, length in [(2, 7), (1, 4)]:
-        inputs = T5.make_inputs(batch_size, length, torch.Generator().manual_seed(batch_size * 10 + length))
-        expected = upstream.generate(**inputs, max_new_tokens=3, do_sample=False)
-        actual = flex.generate(
-            **inputs,
-            max_new_tokens=3,
-            do_sample=False,
-            cache_implementation="flexible_static",
-            cache_config=cache_config,
-            compile_config=compile_config,
-        )
+        actual, expected = _tokens(upstream, flex, T5, (batch_size, length), cache_config, compile_config, 3)
         assert torch.equal(actual, expected)
     assert not artifact_of(flex).missed
